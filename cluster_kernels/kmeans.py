@@ -1,0 +1,818 @@
+r"""Capacity-constrained K-means: exact size bounds per cluster, optimal assignment under them.
+
+Maths
+-----
+For fixed centroids :math:`c_1..c_K` and per-cluster bounds :math:`lo_j \le |C_j| \le hi_j`, the
+assignment minimising :math:`\sum_i D_{i,\ell(i)}` with :math:`D_{ij} = \|x_i - c_j\|^2` is a
+transportation problem. Its dual has one price :math:`\lambda_j` per cluster; every point takes
+:math:`\arg\min_j D_{ij} + \lambda_j`. We find the prices with epsilon-scaling *eviction auctions*
+(eps shrinks by ``EPS_SHRINK`` per phase from ``EPS_START`` — ``EPS_WARM`` when prices are kept
+from the previous Lloyd iteration — down to ``EPS_FINAL``, all relative to the cost range):
+
+1. **Floor auction** for the problem without lower bounds. Prices are >= 0 and a cluster with a
+   positive price must be exactly full (complementary slackness). A round: every over-full cluster
+   evicts its ``excess`` members with the smallest ``(regret, index)`` (regret = second-best cost
+   minus own cost) and raises its price by the last evicted regret plus eps; all over-full
+   clusters at once (Jacobi, the GPU form); evicted points re-bid at the new prices. Members never
+   leave otherwise, so full clusters stay full and the phase ends when none is over-full. Each
+   phase starts from the exact argmin; a cluster then below its cap with a positive price lowers
+   its price just enough to pull in its deficit (a reverse step; it stops at 0, where room is
+   allowed). Slack capacity costs nothing: an arrival at a cluster with room is absorbed.
+2. If that solution meets the lower bounds it is optimal for the full problem (it is optimal for a
+   relaxation). Otherwise the **general auction** runs: each cluster is split into a mandatory part
+   (``lo_j`` slots, real points only) and an optional part (``hi_j - lo_j`` slots), and
+   ``sum(hi) - n`` zero-cost dummy units fill the free optional slots, so every part ends exactly
+   full; the same eviction rounds apply (dummies are evicted first on equal regret).
+
+Both end with every point within eps of its cheapest cluster, so the assignment costs at most
+``OPT + (n + dummies) * eps_final``: the LP optimum in practice (the tests compare with HiGHS).
+
+Lloyd iterations alternate this assignment with the centroid update (cluster means; renormalised
+for ``metric="cosine"``); the previous labels stay when the new assignment would not lower the
+objective, so the objective never increases. Initialisation is greedy k-means++ (``2 + ln K`` local
+trials, as scikit-learn does) with a splitmix64 stream, so a seed gives the same centroids
+everywhere. Data are centred (in float64) before distances ``|x|^2 - 2 x.c + |c|^2`` are formed, to
+keep float32 precision.
+
+Layout: the float64 torch reference (``*_ref``: the test oracle, runs on any device), then the
+launchers for the C++/OpenMP and CUDA kernels of ``cluster_kernels._C``, then the public
+dispatchers :func:`capacity_kmeans` and :func:`assign_with_capacity`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster_kernels import _backend
+
+EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
+EPS_WARM = 1e-3  # warm-start eps (prices kept from the previous Lloyd iteration)
+EPS_FINAL = 1e-10  # final eps, as a fraction of the cost range (float64 costs)
+EPS_SHRINK = 8.0
+MAX_ROUNDS = 1_000_000  # internal safety net; the auction terminates long before
+N_LOCAL_TRIALS_BASE = 2
+METRICS = ("sqeuclidean", "cosine")
+
+
+@dataclass
+class KMeansResult:
+    """Result of :func:`capacity_kmeans`.
+
+    Attributes:
+        labels: (n,) int64 cluster of each point.
+        centroids: (k, d) centroids in the input dtype (unit norm for ``metric="cosine"``).
+        distances: (n,) distance of each point to its own centroid (squared Euclidean, or cosine
+            distance ``1 - cos``).
+        inertia: sum of ``distances``.
+        sizes: (k,) int64 cluster sizes; ``min_size <= sizes <= max_size`` always holds.
+        n_iter: Lloyd iterations of the best run.
+        converged: whether the best run met ``tol`` before ``max_iter``.
+        history: objective after each assignment step of the best run (never increases).
+    """
+
+    labels: Any
+    centroids: Any
+    distances: Any
+    inertia: float
+    sizes: Any
+    n_iter: int
+    converged: bool
+    history: list[float]
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checking (shared by every backend)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_matrix(x: Any, name: str, op: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype not in (np.float32, np.float64):
+            raise TypeError(
+                f"{op}: {name} must be float32 or float64, got dtype {x.dtype}; convert it with "
+                f"{name}.astype(np.float32)."
+            )
+        t = torch.from_numpy(x)
+    elif isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"{op}: {name} must be float32 or float64, got dtype {x.dtype}; convert it with {name}.float()."
+            )
+        t = x.detach()
+    else:
+        raise TypeError(f"{op}: {name} must be a numpy array or a torch tensor, got {type(x).__name__}.")
+    if t.ndim != 2:
+        raise ValueError(f"{op}: {name} must be 2-D (n, d), got shape {tuple(t.shape)}; reshape it to (n, d).")
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"{op}: {name} contains NaN or Inf (first bad row: {bad}); remove or impute those rows.")
+    return t
+
+
+def _sizes(value: Any, k: int, n: int, name: str, op: str, default: int) -> np.ndarray:
+    """Per-cluster bound as an int64 (k,) array."""
+    if value is None:
+        return np.full(k, default, dtype=np.int64)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and np.all(arr == np.round(arr))):
+        raise TypeError(f"{op}: {name} must be an int or a sequence of ints, got {value!r}.")
+    arr = arr.astype(np.int64)
+    if arr.ndim == 0:
+        arr = np.full(k, int(arr), dtype=np.int64)
+    if arr.shape != (k,):
+        raise ValueError(f"{op}: {name} must be an int or have one entry per cluster ({k}), got shape {arr.shape}.")
+    if (arr < 0).any():
+        raise ValueError(f"{op}: {name} must be >= 0, got {arr.tolist()}.")
+    return arr
+
+
+def _bounds(min_size: Any, max_size: Any, k: int, n: int, op: str) -> tuple[np.ndarray, np.ndarray]:
+    lo = _sizes(min_size, k, n, "min_size", op, 0)
+    hi = np.minimum(_sizes(max_size, k, n, "max_size", op, n), n)
+    if (lo > hi).any():
+        j = int(np.argmax(lo > hi))
+        raise ValueError(f"{op}: min_size ({lo[j]}) > max_size ({hi[j]}) for cluster {j}; lower min_size.")
+    if int(hi.sum()) < n:
+        raise ValueError(
+            f"{op}: infeasible capacities: k * max_size = {int(hi.sum())} < n = {n}, so some points would have no "
+            f"cluster; raise max_size to at least ceil(n / k) = {math.ceil(n / k)}."
+        )
+    if int(lo.sum()) > n:
+        raise ValueError(
+            f"{op}: infeasible capacities: k * min_size = {int(lo.sum())} > n = {n}; lower min_size to at most "
+            f"floor(n / k) = {n // k}."
+        )
+    return lo, hi
+
+
+def _check_k(k: Any, n: int, op: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"{op}: k must be an int, got {type(k).__name__} {k!r}.")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"{op}: k must be >= 1, got {k}.")
+    if k > n:
+        raise ValueError(f"{op}: number of points (n={n}) must be at least the number of clusters (k={k}); lower k.")
+    return k
+
+
+def _check_metric(metric: str, op: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"{op}: metric must be one of {METRICS}, got {metric!r}.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (float64 torch; the test oracle and the fallback on any device)
+# --------------------------------------------------------------------------------------------------
+
+
+class _Objects:
+    """Split of each cluster into a mandatory part (lo slots) and an optional part (hi - lo slots)."""
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray):
+        cluster, cap, dummy_ok = [], [], []
+        for j in range(len(lo)):
+            if lo[j] > 0:
+                cluster.append(j), cap.append(int(lo[j])), dummy_ok.append(False)
+            if hi[j] > lo[j]:
+                cluster.append(j), cap.append(int(hi[j] - lo[j])), dummy_ok.append(True)
+        self.cluster = np.asarray(cluster, dtype=np.int64)
+        self.cap = np.asarray(cap, dtype=np.int64)
+        self.dummy_ok = np.asarray(dummy_ok, dtype=bool)
+        self.m = len(cluster)
+
+
+def _cheapest_dummy_object(prices: np.ndarray, dummy_ok: np.ndarray, exclude: int = -1) -> int:
+    best, best_p = -1, math.inf
+    for o in range(len(prices)):
+        if dummy_ok[o] and o != exclude and prices[o] < best_p:
+            best, best_p = o, prices[o]
+    return best
+
+
+def _eps_schedule(dist: torch.Tensor, prices: np.ndarray, warm: bool) -> tuple[float, float]:
+    """(first eps, final eps) relative to the largest per-point cost range (as csrc/cpu/kmeans.cpp)."""
+    cost_span = float((dist.max(dim=1).values - dist.min(dim=1).values).max()) if dist.shape[0] else 0.0
+    span = cost_span if cost_span > 0 else 1.0
+    pmax = float(np.abs(prices).max()) if len(prices) else 0.0
+    eps_final = max(EPS_FINAL * span, 64 * np.finfo(np.float64).eps * (float(dist.abs().max()) + pmax + span))
+    return max((EPS_WARM if warm else EPS_START) * span, eps_final), eps_final
+
+
+def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray,
+                                                                                                 int]:
+    """The problem without lower bounds, in the floor form of the dual (prices >= 0, and a cluster
+    with a positive price is exactly full). Returns labels, prices, rounds."""
+    n, k = dist.shape
+    dev = dist.device
+    warm = prices is not None and len(prices) == k
+    prices = prices.astype(np.float64).copy() if warm else np.zeros(k)
+    eps, eps_final = _eps_schedule(dist, prices, warm)
+    slack = int(hi.sum()) - n
+    hi_t = torch.as_tensor(hi, device=dev)
+
+    def start() -> torch.Tensor:
+        # Exact argmin; then a cluster below its cap with a positive price lowers its price just
+        # enough to pull in its deficit (reverse step), stopping at 0 where room is allowed.
+        obj = torch.argmin(dist + torch.as_tensor(prices, device=dev), dim=1)
+        if slack <= 0:
+            return obj
+        counts = torch.bincount(obj, minlength=k).cpu().numpy()
+        idx_np = np.arange(n)
+        for pass_ in range(10**9):
+            changed = False
+            for j in range(k):
+                if counts[j] >= hi[j] or prices[j] <= 0:
+                    continue
+                changed = True
+                if pass_ >= 4 * k:  # safety net, as in csrc/cpu/kmeans.cpp
+                    prices[j] = 0.0
+                    continue
+                r = int(hi[j] - counts[j])
+                p_t = torch.as_tensor(prices, device=dev)
+                gap = ((dist[:, j] + p_t[j]) - (dist.gather(1, obj[:, None])[:, 0] + p_t[obj])).cpu().numpy()
+                gap[obj.cpu().numpy() == j] = math.inf
+                cand = np.lexsort((idx_np, gap))[:r]
+                drop = gap[cand[-1]] + eps
+                if drop >= prices[j]:
+                    d0 = prices[j]
+                    prices[j] = 0.0
+                    cand = cand[gap[cand] - d0 < -eps]
+                else:
+                    prices[j] -= drop
+                np.subtract.at(counts, obj[torch.as_tensor(cand, device=dev, dtype=torch.long)].cpu().numpy(), 1)
+                obj[torch.as_tensor(cand, device=dev, dtype=torch.long)] = j
+                counts[j] += len(cand)
+            if not changed:
+                return obj
+            if pass_ >= 4 * k:
+                obj = torch.argmin(dist + torch.as_tensor(prices, device=dev), dim=1)
+                counts = torch.bincount(obj, minlength=k).cpu().numpy()
+        return obj
+
+    obj = start()
+    rounds = 0
+    idx = torch.arange(n, device=dev)
+    while True:
+        while True:
+            counts = torch.bincount(obj, minlength=k)
+            over = torch.nonzero(counts > hi_t)[:, 0].tolist()
+            if not over:
+                break
+            rounds += 1
+            if rounds > MAX_ROUNDS:
+                raise RuntimeError("assign_ref: the auction did not terminate (internal error)")
+            c = dist + torch.as_tensor(prices, device=dev)
+            new_prices = prices.copy()
+            evicted = []
+            for j in over:
+                members = idx[obj == j]
+                other = c[members].clone()
+                other[:, j] = math.inf
+                regret = (other.min(dim=1).values - c[members, j]).cpu().numpy()
+                excess = int(counts[j]) - int(hi[j])
+                order = np.lexsort((members.cpu().numpy(), regret))[:excess]
+                new_prices[j] = prices[j] + regret[order[-1]] + eps
+                evicted.append(members[torch.as_tensor(order, device=dev, dtype=torch.long)])
+            prices = new_prices
+            ev = torch.cat(evicted)
+            obj[ev] = torch.argmin(dist[ev] + torch.as_tensor(prices, device=dev), dim=1)
+        if eps <= eps_final:
+            break
+        eps = max(eps / EPS_SHRINK, eps_final)
+        obj = start()
+    return obj, prices, rounds
+
+
+def assign_ref(
+    dist: torch.Tensor, lo: np.ndarray, hi: np.ndarray, state: dict | None = None, force_general: bool = False
+) -> tuple[torch.Tensor, dict, int]:
+    """Optimal capacity-constrained assignment by eps-scaling eviction auctions (reference).
+
+    The problem without lower bounds is solved first (floor auction); when its solution meets the
+    lower bounds it is optimal, otherwise the general auction with dummy units runs.
+
+    Args:
+        dist: (n, k) float64 costs.
+        lo, hi: (k,) int64 bounds with ``sum(lo) <= n <= sum(hi)``.
+        state: prices from a previous call (warm start), as returned.
+        force_general: run the general auction directly (tests).
+
+    Returns:
+        labels (n,) int64 on dist's device, state for the next call, auction rounds.
+    """
+    state = dict(state or {})
+    rounds = 0
+    if not force_general:
+        labels, state["floor"], rounds = _floor_auction_ref(dist, hi, state.get("floor"))
+        if (torch.bincount(labels, minlength=dist.shape[1]).cpu().numpy() >= lo).all():
+            return labels, state, rounds
+    labels, state["general"], more = _dummy_auction_ref(dist, lo, hi, state.get("general"))
+    return labels, state, rounds + more
+
+
+def _dummy_auction_ref(
+    dist: torch.Tensor, lo: np.ndarray, hi: np.ndarray, prices: np.ndarray | None = None
+) -> tuple[torch.Tensor, np.ndarray, int]:
+    """The general problem: mandatory/optional objects per cluster, dummies fill free optional slots."""
+    n, k = dist.shape
+    dev = dist.device
+    objs = _Objects(lo, hi)
+    m = objs.m
+    warm = prices is not None and len(prices) == m
+    prices = prices.astype(np.float64).copy() if warm else np.zeros(m)
+    ocl = torch.as_tensor(objs.cluster, device=dev)
+    eps, eps_final = _eps_schedule(dist, prices, warm)
+    cap = objs.cap
+    dummies = np.zeros(m, dtype=np.int64)
+    n_dummy = int(hi.sum()) - n
+    idx = torch.arange(n, device=dev)
+
+    def costs() -> torch.Tensor:
+        return dist[:, ocl] + torch.as_tensor(prices, device=dev)
+
+    # Cold and warm start alike: every unit takes its cheapest object.
+    obj = torch.argmin(costs(), dim=1)  # argmin returns the first minimum: lowest index on ties
+    real = np.bincount(obj.cpu().numpy(), minlength=m)
+    for o in sorted(range(m), key=lambda o: (prices[o], o)):
+        if objs.dummy_ok[o] and n_dummy - dummies.sum() > 0:
+            dummies[o] = min(max(cap[o] - real[o], 0), n_dummy - dummies.sum())
+    if dummies.sum() < n_dummy:
+        dummies[_cheapest_dummy_object(prices, objs.dummy_ok)] += n_dummy - dummies.sum()
+
+    rounds = 0
+    while True:
+        # ---- auction rounds at this eps
+        while True:
+            units = real + dummies
+            over = np.nonzero(units > cap)[0]
+            if len(over) == 0:
+                break
+            rounds += 1
+            if rounds > MAX_ROUNDS:
+                raise RuntimeError("assign_ref: the auction did not terminate (internal error)")
+            c = costs()
+            new_prices = prices.copy()
+            evicted = []  # real points leaving an over-full object this round
+            dummy_moves = []  # (source object, count)
+            for o in over:
+                members = idx[obj == o]
+                own = c[members, o]
+                other = c[members].clone()
+                other[:, o] = math.inf
+                regret = (other.min(dim=1).values - own).cpu().numpy()
+                excess = int(units[o] - cap[o])
+                dst_dummy = _cheapest_dummy_object(prices, objs.dummy_ok, exclude=o)
+                rho = prices[dst_dummy] - prices[o] if (dummies[o] > 0 and dst_dummy >= 0) else math.inf
+                # Evict the `excess` smallest (regret, index); dummies go first on equal regret.
+                order = np.lexsort((members.cpu().numpy(), regret))
+                n_real_ev = n_dum_ev = 0
+                last = -math.inf
+                for _ in range(excess):
+                    if n_dum_ev < dummies[o] and (n_real_ev >= len(order) or rho <= regret[order[n_real_ev]]):
+                        n_dum_ev += 1
+                        last = rho
+                    else:
+                        last = regret[order[n_real_ev]]
+                        n_real_ev += 1
+                new_prices[o] = prices[o] + last + eps
+                evicted.append(members[torch.as_tensor(order[:n_real_ev], device=dev, dtype=torch.long)])
+                if n_dum_ev:
+                    dummy_moves.append((o, n_dum_ev))
+            prices = new_prices
+            # Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best.
+            ev = torch.cat(evicted)
+            if len(ev):
+                obj[ev] = torch.argmin(dist[ev][:, ocl] + torch.as_tensor(prices, device=dev), dim=1)
+            if dummy_moves:
+                dst = _cheapest_dummy_object(prices, objs.dummy_ok)
+                for src, cnt in dummy_moves:
+                    dummies[src] -= cnt
+                    dummies[dst] += cnt
+            real = np.bincount(obj.cpu().numpy(), minlength=m)
+        if eps <= eps_final:
+            break
+        # ---- next phase: shrink eps, move the units that violate it
+        eps = max(eps / EPS_SHRINK, eps_final)
+        c = costs()
+        best_cost, best = c.min(dim=1)
+        own = c.gather(1, obj[:, None])[:, 0]
+        viol = own > best_cost + eps
+        obj = torch.where(viol, best, obj)
+        real = np.bincount(obj.cpu().numpy(), minlength=m)
+        cheapest = _cheapest_dummy_object(prices, objs.dummy_ok)
+        for o in range(m):
+            if dummies[o] > 0 and prices[o] > prices[cheapest] + eps:
+                dummies[cheapest] += dummies[o]
+                dummies[o] = 0
+    labels = ocl[obj]
+    return labels, prices, rounds
+
+
+def _sqdist_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    d = (x * x).sum(1)[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None, :]
+    return d.clamp_min_(0.0)
+
+
+class SplitMix64:
+    """The splitmix64 stream used by every backend, so a seed gives the same draws everywhere."""
+
+    MASK = (1 << 64) - 1
+
+    def __init__(self, seed: int):
+        self.state = seed & self.MASK
+
+    def next_u64(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & self.MASK
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self.MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self.MASK
+        return z ^ (z >> 31)
+
+    def uniform(self) -> float:
+        return (self.next_u64() >> 11) * (1.0 / (1 << 53))
+
+
+def run_seed(seed: int, run: int) -> int:
+    """Seed of restart ``run`` (matches csrc/cpu/kmeans.cpp)."""
+    return (int(seed) * 0x100000001B3 + run * 0x9E3779B97F4A7C15 + 1) & SplitMix64.MASK
+
+
+def kmeans_plusplus_ref(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
+    """Greedy k-means++ seeding (float64). Returns (k, d) centroids."""
+    n = x.shape[0]
+    trials = N_LOCAL_TRIALS_BASE + int(math.log(k))
+    first = min(int(rng.uniform() * n), n - 1)
+    centers = [x[first]]
+    closest = _sqdist_ref(x, x[first : first + 1])[:, 0]
+    for _ in range(1, k):
+        cum = torch.cumsum(closest, 0)
+        total = float(cum[-1])
+        cands = []
+        for _t in range(trials):
+            r = rng.uniform() * total
+            cands.append(min(int(torch.searchsorted(cum, torch.tensor(r, dtype=cum.dtype, device=cum.device),
+                                                    right=True)), n - 1))
+        best_pot, best_c, best_d = math.inf, -1, None
+        for cand in cands:
+            nd = torch.minimum(closest, _sqdist_ref(x, x[cand : cand + 1])[:, 0])
+            pot = float(nd.sum())
+            if pot < best_pot:
+                best_pot, best_c, best_d = pot, cand, nd
+        centers.append(x[best_c])
+        closest = best_d
+    return torch.stack(centers)
+
+
+def _update_centroids_ref(x: torch.Tensor, labels: torch.Tensor, k: int, old: torch.Tensor, dists: torch.Tensor,
+                          spherical: bool) -> torch.Tensor:
+    counts = torch.bincount(labels, minlength=k)
+    sums = torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, labels, x)
+    cent = sums / counts.clamp_min(1)[:, None].to(x.dtype)
+    empty = (counts == 0).nonzero()[:, 0].tolist()
+    if empty:
+        # Re-seed each empty cluster at the point farthest from its centroid among clusters of size > 1.
+        d = dists.clone()
+        for j in empty:
+            movable = counts[labels] > 1
+            cand = torch.where(movable, d, torch.full_like(d, -1.0))
+            i = int(torch.argmax(cand))
+            cent[j] = x[i]
+            counts[labels[i]] -= 1
+            d[i] = -1.0
+    if spherical:
+        cent = cent / cent.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return cent
+
+
+def capacity_kmeans_ref(
+    x: torch.Tensor,
+    k: int,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    *,
+    spherical: bool,
+    n_init: int,
+    max_iter: int,
+    tol: float,
+    seed: int,
+    init: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[float], int, bool]:
+    """Float64 reference Lloyd loop on prepared data (centred, or unit rows when spherical).
+
+    Returns labels, centroids (float64, in the prepared frame), objective history, n_iter, converged.
+    """
+    best = None
+    for run in range(n_init if init is None else 1):
+        cent = init.clone() if init is not None else kmeans_plusplus_ref(x, k, SplitMix64(run_seed(seed, run)))
+        if spherical:
+            cent = cent / cent.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        state, labels, history, converged = None, None, [], False
+        n_iter = 0
+        for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported after the loop
+            d = _sqdist_ref(x, cent)
+            new_labels, state, _ = assign_ref(d, lo, hi, state)
+            cost = float(d.gather(1, new_labels[:, None]).sum())
+            if labels is not None:
+                prev_cost = float(d.gather(1, labels[:, None]).sum())
+                if cost > prev_cost:
+                    new_labels, cost = labels, prev_cost
+            same = labels is not None and bool(torch.equal(new_labels, labels))
+            improved = history[-1] - cost if history else math.inf
+            labels = new_labels
+            history.append(cost)
+            own = d.gather(1, labels[:, None])[:, 0]
+            cent = _update_centroids_ref(x, labels, k, cent, own, spherical)
+            if same or improved <= tol * abs(history[-2] if len(history) > 1 else cost):
+                converged = True
+                break
+        final = _sqdist_ref(x, cent).gather(1, labels[:, None]).sum().item()
+        if best is None or final < best[0]:
+            best = (final, labels, cent, history, n_iter, converged)
+    _, labels, cent, history, n_iter, converged = best
+    return labels, cent, history, n_iter, converged
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers of the native kernels (csrc/cpu/kmeans.cpp, csrc/cuda/kmeans.cu)
+# --------------------------------------------------------------------------------------------------
+
+
+def _result_from_native(x: Any, t: torch.Tensor, k: int, labels: torch.Tensor, centroids: torch.Tensor,
+                        distances: torch.Tensor, out: dict) -> KMeansResult:
+    sizes = torch.bincount(labels, minlength=k)
+    return KMeansResult(
+        labels=_to_output(x, labels),
+        centroids=_to_output(x, centroids.to(t.dtype)),
+        distances=_to_output(x, distances.to(t.dtype)),
+        inertia=float(out["inertia"]),
+        sizes=_to_output(x, sizes),
+        n_iter=int(out["n_iter"]),
+        converged=bool(out["converged"]),
+        history=[float(h) for h in out["history"]],
+    )
+
+
+def _native_kmeans(choice: str, x: Any, t: torch.Tensor, k: int, lo: np.ndarray, hi: np.ndarray, *, spherical: bool,
+                   n_init: int, max_iter: int, tol: float, seed: int, init: torch.Tensor | None) -> KMeansResult:
+    seed_u64 = seed % (1 << 64)
+    if choice == "cpu":
+        mod = _backend.require_cpu_native("capacity_kmeans")
+        xn = t.contiguous().numpy()
+        init_n = init.to(t.dtype).contiguous().cpu().numpy() if init is not None else None
+        out = mod.kmeans_cpu(xn, k, lo, hi, spherical, n_init, max_iter, tol, seed_u64, init_n, 0)
+        return _result_from_native(
+            x, t, k, torch.from_numpy(out["labels"]), torch.from_numpy(out["centroids"]),
+            torch.from_numpy(out["distances"]), out,
+        )
+    mod = _backend.require_cuda_native("capacity_kmeans")
+    xc = t.contiguous()
+    n, d = xc.shape
+    dev = xc.device
+    labels = torch.empty(n, dtype=torch.int64, device=dev)
+    cent = torch.empty(k, d, dtype=torch.float64, device=dev)
+    dist = torch.empty(n, dtype=torch.float64, device=dev)
+    init_c = init.to(device=dev, dtype=t.dtype).contiguous() if init is not None else None
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        out = mod.kmeans_cuda(
+            xc.data_ptr(), xc.dtype == torch.float64, n, d, k, lo, hi, spherical, n_init, max_iter, tol, seed_u64,
+            init_c.data_ptr() if init_c is not None else 0, labels.data_ptr(), cent.data_ptr(), dist.data_ptr(),
+            stream, dev.index if dev.index is not None else torch.cuda.current_device(),
+        )
+    return _result_from_native(x, t, k, labels, cent, dist, out)
+
+
+def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int, lo: np.ndarray, hi: np.ndarray,
+                   spherical: bool) -> tuple[Any, Any]:
+    if choice == "cpu":
+        mod = _backend.require_cpu_native("assign_with_capacity")
+        labels, dist = mod.assign_cpu(
+            t.contiguous().numpy(), c.to(t.dtype).contiguous().cpu().numpy(), lo, hi, spherical, 0
+        )
+        return _to_output(x, torch.from_numpy(labels)), _to_output(x, torch.from_numpy(dist).to(t.dtype))
+    mod = _backend.require_cuda_native("assign_with_capacity")
+    xc = t.contiguous()
+    n, d = xc.shape
+    dev = xc.device
+    cc = c.to(device=dev, dtype=t.dtype).contiguous()
+    labels = torch.empty(n, dtype=torch.int64, device=dev)
+    dist = torch.empty(n, dtype=torch.float64, device=dev)
+    with torch.cuda.device(dev):
+        mod.assign_cuda(
+            xc.data_ptr(), xc.dtype == torch.float64, n, d, cc.data_ptr(), k, lo, hi, spherical, labels.data_ptr(),
+            dist.data_ptr(), torch.cuda.current_stream(dev).cuda_stream,
+            dev.index if dev.index is not None else torch.cuda.current_device(),
+        )
+    return _to_output(x, labels), _to_output(x, dist.to(t.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public dispatchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _resolve(op: str, backend: str, device: torch.device) -> str:
+    _backend.check_backend_name(op, backend)
+    if backend == "triton":
+        raise _backend.missing_backend_error(
+            op, "triton", "K-means has no Triton kernel (it is native C++/CUDA)", 'use backend="cuda", "cpu" or "auto"'
+        )
+    if backend == "auto":
+        if device.type == "cuda":
+            if _backend.has_cuda_native():
+                choice, why = "cuda", "CUDA tensor and _C has its CUDA part"
+            else:
+                choice, why = "torch", "CUDA tensor but _C was built without CUDA"
+        elif _backend.has_cpu_native():
+            choice, why = "cpu", "C++/OpenMP extension available"
+        else:
+            choice, why = "torch", "cluster_kernels._C not built"
+        _backend.log_choice_once(op, device.type, choice, why)
+        return choice
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"{op}: backend='cpu' needs a CPU input, got a tensor on {device}; move it with .cpu().")
+        _backend.require_cpu_native(op)
+    if backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"{op}: backend='cuda' needs a CUDA tensor, got one on {device}; move it with .cuda().")
+        _backend.require_cuda_native(op)
+    return backend
+
+
+def _prepare(t: torch.Tensor, spherical: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centre (or L2-normalise) rows in float64; returns prepared data and the mean (zero if spherical)."""
+    x64 = t.to(torch.float64)
+    if spherical:
+        norms = x64.norm(dim=1, keepdim=True)
+        if bool((norms == 0).any()):
+            bad = int((norms[:, 0] == 0).nonzero()[0, 0])
+            raise ValueError(f"capacity_kmeans: metric='cosine' needs non-zero rows, row {bad} is all zeros.")
+        return x64 / norms, torch.zeros(t.shape[1], dtype=torch.float64, device=t.device)
+    mean = x64.mean(dim=0)
+    return x64 - mean, mean
+
+
+def _to_output(like: Any, t: torch.Tensor) -> Any:
+    if isinstance(like, np.ndarray):
+        return t.cpu().numpy()
+    return t.to(like.device)
+
+
+def capacity_kmeans(
+    x: Any,
+    k: int,
+    *,
+    min_size: int | Sequence[int] | None = None,
+    max_size: int | Sequence[int] | None = None,
+    metric: str = "sqeuclidean",
+    n_init: int = 3,
+    max_iter: int = 100,
+    tol: float = 1e-4,
+    seed: int = 0,
+    init: str | Any = "k-means++",
+    backend: str = "auto",
+) -> KMeansResult:
+    """K-means whose cluster sizes satisfy ``min_size <= sizes <= max_size`` exactly.
+
+    Args:
+        x: (n, d) float32/float64 numpy array or torch tensor (CPU, or CUDA for the CUDA path);
+            non-contiguous inputs are copied. Never modified.
+        k: number of clusters, ``1 <= k <= n``.
+        min_size: int or (k,) ints, lower bound per cluster (default 0).
+        max_size: int or (k,) ints, upper bound per cluster (default n).
+        metric: "sqeuclidean", or "cosine" (spherical k-means on L2-normalised rows).
+        n_init: k-means++ restarts; the lowest inertia wins.
+        max_iter: Lloyd iterations per restart.
+        tol: stop when the objective falls by less than ``tol`` (relative) or labels repeat.
+        seed: seed of the splitmix64 stream (same seed and input give identical labels).
+        init: "k-means++" or a (k, d) array of initial centroids (then ``n_init`` is 1).
+        backend: "auto" | "cpu" (C++/OpenMP) | "cuda" | "torch" (float64 reference).
+
+    Returns:
+        KMeansResult; arrays follow the input type (numpy in, numpy out; torch in, torch out on
+        the input's device); centroids in the input dtype.
+
+    Raises:
+        TypeError: x not float32/float64 numpy/torch, k not an int, bounds not ints.
+        ValueError: bad shapes, NaN/Inf, k outside [1, n], infeasible bounds, unknown metric/backend.
+        RuntimeError: an explicitly requested backend is not available (the message says how to get it).
+    """
+    op = "capacity_kmeans"
+    t = _check_matrix(x, "x", op)
+    n, d = t.shape
+    k = _check_k(k, n, op)
+    _check_metric(metric, op)
+    lo, hi = _bounds(min_size, max_size, k, n, op)
+    if isinstance(n_init, bool) or not isinstance(n_init, (int, np.integer)) or n_init < 1:
+        raise ValueError(f"{op}: n_init must be an int >= 1, got {n_init!r}.")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+        raise ValueError(f"{op}: max_iter must be an int >= 1, got {max_iter!r}.")
+    if not (isinstance(tol, (int, float)) and tol >= 0):
+        raise ValueError(f"{op}: tol must be a float >= 0, got {tol!r}.")
+    init_t = None
+    if isinstance(init, str):
+        if init != "k-means++":
+            raise ValueError(f"{op}: init must be 'k-means++' or a (k, d) array of centroids, got {init!r}.")
+    else:
+        init_t = _check_matrix(init, "init", op)
+        if tuple(init_t.shape) != (k, d):
+            raise ValueError(f"{op}: init must have shape (k, d) = ({k}, {d}), got {tuple(init_t.shape)}.")
+    spherical = metric == "cosine"
+    choice = _resolve(op, backend, t.device)
+    if choice != "torch":
+        return _native_kmeans(
+            choice, x, t, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
+            seed=int(seed), init=init_t,
+        )
+    xp, mean = _prepare(t, spherical)
+    if init_t is not None:
+        init_t = init_t.to(device=t.device, dtype=torch.float64) - mean
+    labels, cent, history, n_iter, converged = capacity_kmeans_ref(
+        xp, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
+        seed=int(seed), init=init_t,
+    )
+    return _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged)
+
+
+def _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged) -> KMeansResult:
+    labels = labels.to(device=t.device, dtype=torch.int64)
+    cent = cent.to(device=t.device, dtype=torch.float64)
+    own = (xp - cent[labels]).pow(2).sum(1)
+    if spherical:
+        own = own / 2.0  # |a - b|^2 = 2 - 2 cos for unit vectors
+        history = [h / 2.0 for h in history]
+    sizes = torch.bincount(labels, minlength=k)
+    return KMeansResult(
+        labels=_to_output(x, labels),
+        centroids=_to_output(x, (cent + mean).to(t.dtype)),
+        distances=_to_output(x, own.to(t.dtype)),
+        inertia=float(own.sum()),
+        sizes=_to_output(x, sizes),
+        n_iter=int(n_iter),
+        converged=bool(converged),
+        history=[float(h) for h in history],
+    )
+
+
+def assign_with_capacity(
+    x: Any,
+    centroids: Any,
+    *,
+    min_size: int | Sequence[int] | None = None,
+    max_size: int | Sequence[int] | None = None,
+    metric: str = "sqeuclidean",
+    backend: str = "auto",
+) -> tuple[Any, Any]:
+    """Optimal assignment of points to fixed centroids under size bounds (no centroid update).
+
+    Args:
+        x: (n, d) float32/float64 numpy array or torch tensor.
+        centroids: (k, d) array/tensor of the same kind.
+        min_size, max_size: int or (k,) ints (defaults 0 and n).
+        metric: "sqeuclidean" or "cosine".
+        backend: "auto" | "cpu" | "cuda" | "torch".
+
+    Returns:
+        labels (n,) int64 and distances (n,) to the assigned centroid, minimising their sum
+        subject to the bounds; same type/device as ``x``.
+
+    Raises:
+        TypeError / ValueError as :func:`capacity_kmeans`, plus mismatched centroid dimensions.
+    """
+    op = "assign_with_capacity"
+    t = _check_matrix(x, "x", op)
+    c = _check_matrix(centroids, "centroids", op)
+    n, d = t.shape
+    if c.shape[1] != d:
+        raise ValueError(
+            f"{op}: centroids have {c.shape[1]} dimensions but x has {d}; pass centroids of shape (k, {d})."
+        )
+    k = _check_k(c.shape[0], n, op)
+    _check_metric(metric, op)
+    lo, hi = _bounds(min_size, max_size, k, n, op)
+    choice = _resolve(op, backend, t.device)
+    spherical = metric == "cosine"
+    if choice != "torch":
+        return _native_assign(choice, x, t, c, k, lo, hi, spherical)
+    c = c.to(device=t.device, dtype=torch.float64)
+    if spherical:
+        xp, _ = _prepare(t, True)
+        cp = c / c.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    else:
+        xp, mean = _prepare(t, False)
+        cp = c - mean
+    labels, _, _ = assign_ref(_sqdist_ref(xp, cp), lo, hi)
+    own = (xp - cp[labels]).pow(2).sum(1)
+    if spherical:
+        own = own / 2.0
+    return _to_output(x, labels), _to_output(x, own.to(t.dtype))

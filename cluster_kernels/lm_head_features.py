@@ -1,0 +1,545 @@
+"""Per-example lm-head gradient features in one pass over the vocabulary, without a logits tensor.
+
+Maths. With logits ``z_t = W h_t (+ b)`` (``W`` of shape ``(V, d)``), ``p_t = softmax(z_t)`` and target
+``y_t``, the cross-entropy gradient w.r.t. the logits is ``p_t - e_{y_t}`` and the last-layer gradient
+of example ``b`` is ``G_b = sum_{t in b} w_t (p_t - e_{y_t}) h_t^T`` (``V x d``). Tokens whose label is
+``-100`` do not count.
+
+- ``mode="paper"`` (the authors' proxy, no projection): per example
+  ``mean_{t in b} (p_t(y_t) - 1) h_t``  (``d``), the mean over that example's counted tokens. This is
+  the gradient w.r.t. the output-embedding rows of the targets, summed.
+- ``mode="projected"``: the Kronecker projection ``P_out^T G_b P_in`` (``k_o x k_i``) with
+  ``P_out (V, k_o)``, ``P_in (d, k_i)``. Because ``P_out^T (p_t - e_y) = sum_v p_t[v] P_out[v] - P_out[y]``
+  is an attention read-out (keys = rows of ``W``, values = rows of ``P_out``), it is computed with an
+  online log-sum-exp over vocabulary chunks, as in flash attention: running max ``m``, running sum
+  ``l`` and running read-out ``a``; for each chunk ``m' = max(m, max z)``, ``l = l e^{m-m'} + sum e^{z-m'}``,
+  ``a = a e^{m-m'} + e^{z-m'} P_out[chunk]``. Memory is ``O(T k_o)``, never ``O(T V)``. The per-token
+  projected gradients are then reduced per example exactly like ``project_linear_grads``.
+
+``p_t(y_t) = exp(z_t[y_t] - lse_t)`` comes out of the same pass. Only counted tokens (label != -100)
+enter the vocabulary pass: prompts cost nothing there.
+
+Implementations:
+
+- ``lm_head_features_ref``: materialises the float64 logits and, for ``projected``, each ``G_b``. Oracle.
+- Triton kernel (CUDA; CPU under ``TRITON_INTERPRET=1``): one program per block of tokens streams
+  ``W`` (and ``P_out``) in vocabulary chunks; logits live only in registers. The logits product runs
+  in the inputs' dtype (bf16/fp16 tensor cores, fp32 accumulation; IEEE fp32 for fp32 inputs), the
+  softmax statistics and read-out in fp32.
+- Vectorised torch path: token chunks x vocabulary chunks with at most ``max_chunk_elems`` logits alive.
+
+All-ignored examples: ``mode="paper"`` raises a ``ValueError`` naming the example (its mean is
+undefined); ``mode="projected"`` is a sum and gives that example a zero feature.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cluster_kernels._backend import has_triton, missing_backend_error, require_triton
+from cluster_kernels.project_linear_grads import (
+    _project_linear_grads_triton,
+    _resolve_backend,
+    check_cu_seqlens,
+    segment_outer_sum,
+)
+
+__all__ = ["IGNORE_INDEX", "LM_HEAD_MODES", "lm_head_features", "lm_head_features_ref"]
+
+_OP = "lm_head_features"
+IGNORE_INDEX = -100
+LM_HEAD_MODES = ("paper", "projected")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_MAX_CHUNK_ELEMS = 1 << 20  # logits alive at once on the torch path (4 MiB in fp32)
+_TORCH_VOCAB_CHUNK = 8192
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    p_in: torch.Tensor | None,
+    p_out: torch.Tensor | None,
+    mode: str,
+    bias: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> np.ndarray:
+    if mode not in LM_HEAD_MODES:
+        raise ValueError(f"{_OP}: mode must be one of {LM_HEAD_MODES}, got {mode!r}.")
+    for name, t in (("h", h), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 2:
+            raise ValueError(f"{_OP}: {name} must be 2-D, got shape {tuple(t.shape)}.")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
+    n_tok, d = h.shape
+    vocab = weight.shape[0]
+    if weight.shape[1] != d:
+        raise ValueError(
+            f"{_OP}: weight must have shape (V, d={d}) to match h {tuple(h.shape)}, got {tuple(weight.shape)}."
+        )
+    if weight.device != h.device:
+        raise ValueError(f"{_OP}: weight is on {weight.device} but h is on {h.device}; move them to one device.")
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{_OP}: labels must be an int32/int64 torch.Tensor of shape ({n_tok},).")
+    if labels.shape != (n_tok,):
+        raise ValueError(f"{_OP}: labels must have shape (N_tok,)=({n_tok},), got {tuple(labels.shape)}.")
+    if labels.device != h.device:
+        raise ValueError(f"{_OP}: labels is on {labels.device} but h is on {h.device}.")
+    bad = (labels >= vocab) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{_OP}: labels must be in [0, V={vocab}) or {IGNORE_INDEX} (ignored), "
+            f"got labels[{pos}]={int(labels[pos])}."
+        )
+    cu = check_cu_seqlens(_OP, cu_seqlens, n_tok)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (vocab,) or not bias.is_floating_point():
+            raise ValueError(f"{_OP}: bias must be a floating tensor of shape (V,)=({vocab},) or None.")
+        if bias.device != h.device:
+            raise ValueError(f"{_OP}: bias is on {bias.device} but h is on {h.device}.")
+    n_ex = len(cu) - 1
+    if mode == "paper":
+        if p_in is not None or p_out is not None:
+            raise ValueError(
+                f"{_OP}: p_in/p_out are only used with mode='projected'; mode='paper' returns the "
+                "unprojected (B, d) proxy. Drop them or use mode='projected'."
+            )
+        if token_weights is not None:
+            raise ValueError(
+                f"{_OP}: mode='paper' is the per-example mean over counted tokens and takes no "
+                "token_weights; use mode='projected' for weighted sums."
+            )
+        expected = (n_ex, d)
+    else:
+        for name, t, rows in (("p_in", p_in, d), ("p_out", p_out, vocab)):
+            if t is None:
+                raise ValueError(
+                    f"{_OP}: mode='projected' needs {name} of shape ({rows}, k); "
+                    "see cluster_kernels.projection.random_projection."
+                )
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows or not t.is_floating_point():
+                raise ValueError(
+                    f"{_OP}: {name} must be a floating 2-D tensor of shape ({rows}, k), "
+                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}."
+                )
+            if t.device != h.device:
+                raise ValueError(f"{_OP}: {name} is on {t.device} but h is on {h.device}.")
+        if token_weights is not None:
+            if not isinstance(token_weights, torch.Tensor) or token_weights.shape != (n_tok,):
+                raise ValueError(f"{_OP}: token_weights must be a floating tensor of shape ({n_tok},) or None.")
+            if token_weights.device != h.device:
+                raise ValueError(f"{_OP}: token_weights is on {token_weights.device} but h is on {h.device}.")
+        expected = (n_ex, p_out.shape[1], p_in.shape[1])
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{_OP}: out must be a float32 (or float64) tensor of shape {expected}.")
+        if tuple(out.shape) != expected:
+            raise ValueError(f"{_OP}: out must have shape {expected} for mode={mode!r}, got {tuple(out.shape)}.")
+        if out.device != h.device:
+            raise ValueError(f"{_OP}: out is on {out.device} but h is on {h.device}.")
+    return cu
+
+
+def _counts_per_example(labels: torch.Tensor, cu: np.ndarray) -> np.ndarray:
+    valid = (labels != IGNORE_INDEX).to("cpu", torch.int64).numpy()
+    csum = np.concatenate([[0], np.cumsum(valid)])
+    return csum[cu[1:]] - csum[cu[:-1]]
+
+
+def _raise_if_empty_examples(counts: np.ndarray) -> None:
+    empty = np.nonzero(counts == 0)[0]
+    if len(empty):
+        shown = ", ".join(str(int(i)) for i in empty[:10]) + (" ..." if len(empty) > 10 else "")
+        raise ValueError(
+            f"{_OP}: example {int(empty[0])} has no counted token (all its labels are {IGNORE_INDEX}), so its "
+            f"mode='paper' mean is undefined (examples without counted tokens: {shown}). Drop these examples "
+            "or give each at least one answer token."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+
+def lm_head_features_ref(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    p_in: torch.Tensor | None = None,
+    p_out: torch.Tensor | None = None,
+    mode: str,
+    bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Definition of ``lm_head_features`` with materialised logits (and ``G_b``); float64 by default.
+
+    Returns:
+        ``(B, d)`` for ``mode="paper"``, ``(B, k_o, k_i)`` for ``mode="projected"``; float64 when ``upcast``.
+    """
+    cu = _check_inputs(h, weight, labels, cu_seqlens, p_in, p_out, mode, bias, token_weights, None)
+    dt = torch.float64 if upcast else torch.float32
+    hs, ws = h.to(dt), weight.to(dt)
+    logits = hs @ ws.T
+    if bias is not None:
+        logits = logits + bias.to(dt)
+    probs = torch.softmax(logits, dim=-1)
+    valid = labels != IGNORE_INDEX
+    n_ex = len(cu) - 1
+    if mode == "paper":
+        _raise_if_empty_examples(_counts_per_example(labels, cu))
+        res = torch.zeros(n_ex, h.shape[1], dtype=dt, device=h.device)
+        for b in range(n_ex):
+            sel = torch.arange(int(cu[b]), int(cu[b + 1]), device=h.device)
+            sel = sel[valid[sel]]
+            p_y = probs[sel, labels[sel].long()]
+            res[b] = ((p_y - 1.0)[:, None] * hs[sel]).mean(dim=0)
+        return res
+    w = token_weights.to(dt) if token_weights is not None else torch.ones(h.shape[0], dtype=dt, device=h.device)
+    pi, po = p_in.to(dt), p_out.to(dt)
+    res = torch.zeros(n_ex, p_out.shape[1], p_in.shape[1], dtype=dt, device=h.device)
+    for b in range(n_ex):
+        sel = torch.arange(int(cu[b]), int(cu[b + 1]), device=h.device)
+        sel = sel[valid[sel]]
+        d_logits = probs[sel].clone()
+        d_logits[torch.arange(len(sel), device=h.device), labels[sel].long()] -= 1.0
+        grad_w = (d_logits * w[sel, None]).T @ hs[sel]  # (V, d): the full last-layer gradient
+        res[b] = po.T @ grad_w @ pi
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel: one vocabulary pass per block of tokens
+# --------------------------------------------------------------------------------------------------
+
+if has_triton():
+    import triton
+    import triton.language as tl
+
+    if _INTERPRET:
+        _LMH_CONFIGS = [triton.Config({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_D": 32}, num_warps=1)]
+    else:  # pragma: no cover - GPU only
+        # Few configs: every autotune key compiles all of them. Larger token blocks re-read W fewer times;
+        # the (BLOCK_T, BLOCK_V) logits tile and the (BLOCK_T, BLOCK_K) read-out live in registers.
+        _LMH_CONFIGS = [
+            triton.Config(
+                {"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_D": 64}, num_warps=4 if bt * bv <= 8192 else 8, num_stages=ns
+            )
+            for bt, bv in ((64, 64), (64, 128), (128, 64), (128, 128))
+            for ns in (2, 3)
+        ]
+
+    @triton.autotune(configs=_LMH_CONFIGS, key=["d", "V", "BLOCK_K", "HAS_PROJ", "PRECISION"])
+    @triton.jit
+    def _lm_head_vocab_kernel(
+        h_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        p_ptr,
+        lse_ptr,
+        zy_ptr,
+        read_ptr,
+        n_tok,
+        d,
+        V,
+        k_o,
+        stride_ht,
+        stride_hd,
+        stride_wv,
+        stride_wd,
+        stride_pv,
+        stride_pk,
+        stride_rt,
+        stride_rk,
+        HAS_BIAS: tl.constexpr,
+        HAS_PROJ: tl.constexpr,
+        LOWP: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask_t = offs_t < n_tok
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_o
+        y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+        m = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        z_y = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+            mask_v = offs_v < V
+            logits = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+            for d0 in range(0, d, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < d
+                ht = tl.load(
+                    h_ptr + offs_t[:, None] * stride_ht + offs_d[None, :] * stride_hd,
+                    mask=mask_t[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                wt = tl.load(
+                    w_ptr + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
+                    mask=mask_v[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                if LOWP:
+                    logits += tl.dot(ht, tl.trans(wt.to(ht.dtype)))
+                else:
+                    logits += tl.dot(ht.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision=PRECISION)
+            if HAS_BIAS:
+                logits += tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+            logits = tl.where(mask_v[None, :], logits, float("-inf"))
+            z_y += tl.sum(tl.where(offs_v[None, :] == y[:, None], logits, 0.0), axis=1)
+            m_new = tl.maximum(m, tl.max(logits, axis=1))
+            alpha = tl.exp(m - m_new)
+            p_exp = tl.exp(logits - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p_exp, axis=1)
+            if HAS_PROJ:
+                pv = tl.load(
+                    p_ptr + offs_v[:, None] * stride_pv + offs_k[None, :] * stride_pk,
+                    mask=mask_v[:, None] & mask_k[None, :],
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p_exp, pv.to(tl.float32), input_precision=PRECISION)
+            m = m_new
+        if pid_k == 0:
+            tl.store(lse_ptr + offs_t, m + tl.log(l_sum), mask=mask_t)
+            tl.store(zy_ptr + offs_t, z_y, mask=mask_t)
+        if HAS_PROJ:
+            tl.store(
+                read_ptr + offs_t[:, None] * stride_rt + offs_k[None, :] * stride_rk,
+                acc / l_sum[:, None],
+                mask=mask_t[:, None] & mask_k[None, :],
+            )
+
+
+def _vocab_pass_triton(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, p_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per token: ``lse``, target logit ``z_y`` and ``sum_v p[v] P_out[v]`` (float32), no logits stored."""
+    require_triton(_OP)
+    if h.dtype not in _TRITON_DTYPES or weight.dtype not in _TRITON_DTYPES:
+        raise TypeError(
+            f"{_OP}: backend='triton' takes float32/bfloat16/float16 h and weight, got {h.dtype} and "
+            f"{weight.dtype}; use backend='torch' for float64."
+        )
+    if h.device.type != "cuda" and not _INTERPRET:
+        raise missing_backend_error(
+            _OP,
+            "triton",
+            f"the tensors are on {h.device} and TRITON_INTERPRET is not 1",
+            "move the tensors to a CUDA device (or set TRITON_INTERPRET=1 before importing cluster_kernels, "
+            "for testing)",
+        )
+    n_tok, d = h.shape
+    vocab = weight.shape[0]
+    dev = h.device
+    lse = torch.empty(n_tok, dtype=torch.float32, device=dev)
+    z_y = torch.empty(n_tok, dtype=torch.float32, device=dev)
+    if n_tok == 0:
+        return lse, z_y, (None if p_out is None else torch.empty(0, p_out.shape[1], dtype=torch.float32, device=dev))
+    k_o = p_out.shape[1] if p_out is not None else 1
+    block_k = max(16, min(128, 1 << (k_o - 1).bit_length()))
+    readout = torch.empty(n_tok, k_o, dtype=torch.float32, device=dev) if p_out is not None else lse
+    p = p_out if p_out is not None else weight  # dummy pointer when HAS_PROJ is False
+    lowp = h.dtype != torch.float32
+    # Each k block recomputes the logits: k_o <= 128 (one block) is the intended use.
+    grid = lambda meta: (triton.cdiv(n_tok, meta["BLOCK_T"]), triton.cdiv(k_o, block_k) if p_out is not None else 1)
+    _lm_head_vocab_kernel[grid](
+        h,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        p,
+        lse,
+        z_y,
+        readout,
+        n_tok,
+        d,
+        vocab,
+        k_o,
+        h.stride(0),
+        h.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        p.stride(0),
+        p.stride(1),
+        readout.stride(0),
+        readout.stride(-1),
+        HAS_BIAS=bias is not None,
+        HAS_PROJ=p_out is not None,
+        LOWP=lowp,
+        PRECISION="tf32" if lowp else "ieee",
+        BLOCK_K=block_k,
+    )
+    return lse, z_y, (readout if p_out is not None else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Vectorised torch path
+# --------------------------------------------------------------------------------------------------
+
+
+def _vocab_pass_torch(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    p_out: torch.Tensor | None,
+    max_chunk_elems: int = DEFAULT_MAX_CHUNK_ELEMS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Same outputs as the kernel, with at most ``max_chunk_elems`` logits alive at a time.
+
+    Per vocabulary chunk: one GEMM, one fused ``logsumexp``, and for the read-out the chunk's
+    probabilities relative to the running normaliser ``exp(z - lse')``; the running read-out is rescaled by
+    ``exp(lse - lse')``, so it is normalised at every step (few passes over each chunk: CPU time is
+    dominated by the GEMM).
+    """
+    ct = torch.float64 if h.dtype == torch.float64 else torch.float32
+    n_tok, _ = h.shape
+    vocab = weight.shape[0]
+    # Wide vocabulary chunks keep each GEMM efficient (narrow ones measured 2-5x slower on CPU); the
+    # token chunk then takes what is left of the budget.
+    v_chunk = max(1, min(vocab, _TORCH_VOCAB_CHUNK, max_chunk_elems))
+    t_chunk = max(1, min(n_tok, max_chunk_elems // v_chunk))
+    lse = torch.empty(n_tok, dtype=ct, device=h.device)
+    z_y = torch.empty(n_tok, dtype=ct, device=h.device)
+    readout = torch.empty(n_tok, p_out.shape[1], dtype=ct, device=h.device) if p_out is not None else None
+    for s in range(0, n_tok, t_chunk):
+        e = min(n_tok, s + t_chunk)
+        hc = h[s:e].to(ct)
+        yc = y[s:e].long()
+        z_y[s:e] = (hc * weight[yc].to(ct)).sum(dim=1) + (bias[yc].to(ct) if bias is not None else 0.0)
+        run_lse = torch.full((e - s,), float("-inf"), dtype=ct, device=h.device)
+        acc = torch.zeros(e - s, p_out.shape[1], dtype=ct, device=h.device) if p_out is not None else None
+        for v0 in range(0, vocab, v_chunk):
+            v1 = min(vocab, v0 + v_chunk)
+            logits = F.linear(hc, weight[v0:v1].to(ct), bias[v0:v1].to(ct) if bias is not None else None)
+            new_lse = torch.logaddexp(run_lse, torch.logsumexp(logits, dim=1))
+            if acc is not None:
+                logits.sub_(new_lse[:, None]).exp_()  # in place: no second (chunk, V) buffer
+                acc.mul_(torch.exp(run_lse - new_lse)[:, None]).addmm_(logits, p_out[v0:v1].to(ct))
+            run_lse = new_lse
+        lse[s:e] = run_lse
+        if acc is not None:
+            readout[s:e] = acc
+    return lse, z_y, readout
+
+
+# --------------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------------
+
+
+def lm_head_features(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    p_in: torch.Tensor | None = None,
+    p_out: torch.Tensor | None = None,
+    mode: str,
+    bias: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    max_chunk_elems: int = DEFAULT_MAX_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Per-example lm-head gradient features without materialising the ``(T, V)`` logits.
+
+    Args:
+        h: ``(N_tok, d)`` last hidden states (the lm head's inputs), packed by ``cu_seqlens``;
+            float32/bfloat16/float16 (float64 on the torch backend).
+        weight: ``(V, d)`` lm-head weight; ``bias``: optional ``(V,)``.
+        labels: ``(N_tok,)`` int target of each position (already shifted: the token that position
+            predicts), ``-100`` for positions that do not count.
+        cu_seqlens: ``(B + 1,)`` int32/int64 offsets.
+        p_in: ``(d, k_i)``, p_out: ``(V, k_o)``: projections, ``mode="projected"`` only.
+        mode: ``"paper"``: ``mean_t (p_t(y_t) - 1) h_t`` per example, ``(B, d)``. ``"projected"``:
+            ``P_out^T [sum_t w_t (p_t - e_{y_t}) h_t^T] P_in``, ``(B, k_o, k_i)``.
+        token_weights: optional ``(N_tok,)`` weights ``w_t`` (``projected`` only; e.g. ``1/n_b`` for a mean).
+        out: optional float32 tensor of the result's shape to accumulate into.
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` | ``"cpu"`` (alias of torch); ``"cuda"`` is refused.
+        max_chunk_elems: torch path only: logits alive at a time (memory bound).
+
+    Returns:
+        float32 tensor (float64 for float64 inputs on the torch backend when ``out`` is None).
+
+    Raises:
+        TypeError / ValueError: bad shapes, dtypes, devices, labels outside ``[0, V)`` and not ``-100``,
+            projections missing or given in the wrong mode; ``mode="paper"`` with an example whose labels are
+            all ``-100`` (the message names the example).
+        RuntimeError: an explicitly requested backend is not available.
+    """
+    cu = _check_inputs(h, weight, labels, cu_seqlens, p_in, p_out, mode, bias, token_weights, out)
+    chosen = _resolve_backend(_OP, backend, h.device)
+    n_ex = len(cu) - 1
+    counts = _counts_per_example(labels, cu)
+    if mode == "paper":
+        _raise_if_empty_examples(counts)
+    ct = torch.float64 if (h.dtype == torch.float64 and chosen == "torch") else torch.float32
+    if out is None:
+        shape = (n_ex, h.shape[1]) if mode == "paper" else (n_ex, p_out.shape[1], p_in.shape[1])
+        out = torch.zeros(shape, dtype=ct, device=h.device)
+    # Only counted tokens enter the vocabulary pass.
+    valid_idx = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    all_valid = len(valid_idx) == h.shape[0]
+    hv = h if all_valid else h.index_select(0, valid_idx)
+    yv = labels if all_valid else labels.index_select(0, valid_idx)
+    cu_v = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    p_out_c = p_out.to(torch.float32 if chosen == "triton" else ct) if mode == "projected" else None
+    if chosen == "triton":
+        lse, z_y, readout = _vocab_pass_triton(hv, weight, bias, yv, p_out_c)
+    else:
+        lse, z_y, readout = _vocab_pass_torch(hv, weight, bias, yv, p_out_c, max_chunk_elems)
+    if mode == "paper":
+        coef = torch.exp(z_y - lse) - 1.0
+        inv_n = torch.from_numpy(1.0 / np.maximum(counts, 1)).to(h.device, coef.dtype)
+        coef = coef * torch.repeat_interleave(inv_n, torch.from_numpy(counts).to(h.device), output_size=len(yv))
+        # (B, 1, d) = per-example sum of coef_t * h_t, via the same deterministic segment reduction.
+        res = torch.zeros(n_ex, 1, h.shape[1], dtype=ct, device=h.device)
+        segment_outer_sum(coef[:, None].to(ct), hv.to(ct), cu_v, res)
+        out += res[:, 0].to(out.dtype)
+        return out
+    g_proj = readout - p_out_c.index_select(0, yv.long())  # P_out^T (p_t - e_{y_t}), (T_valid, k_o)
+    wv = None
+    if token_weights is not None:
+        wv = token_weights if all_valid else token_weights.index_select(0, valid_idx)
+    if chosen == "triton":
+        eye = torch.eye(g_proj.shape[1], dtype=torch.float32, device=h.device)
+        xg = hv if hv.dtype == torch.float32 else hv.float()  # the kernel wants x and g in one dtype
+        return _project_linear_grads_triton(xg, g_proj, cu_v, p_in, eye, wv, out)
+    xp = hv.to(ct) @ p_in.to(ct)
+    if wv is not None:
+        xp *= wv.to(ct)[:, None]
+    if out.dtype == ct:
+        return segment_outer_sum(g_proj.to(ct), xp, cu_v, out)
+    out += segment_outer_sum(g_proj.to(ct), xp, cu_v, torch.zeros(out.shape, dtype=ct, device=h.device)).to(out.dtype)
+    return out

@@ -1,0 +1,546 @@
+"""Per-example Kronecker-projected gradients of a linear layer from packed variable-length tokens.
+
+Maths. For ``y = x W^T`` the gradient of example ``b`` is ``dW_b = sum_{t in b} w_t g_t x_t^T``
+(``g_t = dL/dy_t`` of shape ``d_out``, ``x_t`` of shape ``d_in``, optional token weights ``w_t``).
+With fixed projections ``P_in (d_in, k_i)`` and ``P_out (d_out, k_o)``::
+
+    phi_b = P_out^T dW_b P_in = sum_{t in b} (P_out^T g_t) (w_t P_in^T x_t)^T        (k_o, k_i)
+
+which costs ``2 (d_in k_i + d_out k_o + k_o k_i)`` FLOPs per token and never forms the
+``(d_out, d_in)`` gradient. Tokens are packed without padding: example ``b`` owns rows
+``cu_seqlens[b]:cu_seqlens[b + 1]`` of ``x`` and ``g``. Results are float32 (float64 for float64
+inputs on the torch path) and are *added* to ``out`` when it is given, so several layers projected
+into the same ``(k_o, k_i)`` space sum into one feature (a block Johnson-Lindenstrauss projection of
+the concatenated gradient).
+
+Implementations:
+
+- ``project_linear_grads_ref``: the definition, in float64 by default: forms ``dW_b`` per example and
+  projects it. The test oracle only (memory ``d_out * d_in`` per example).
+- Triton kernel (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): the packed tokens are cut
+  into work items of at most ``chunk_tokens`` tokens that never cross an example boundary; each
+  program streams one item's tokens once, computes ``P_in^T x_t`` and ``P_out^T g_t`` tile by tile
+  (``tl.dot`` on tiles converted to fp32 in registers: IEEE fp32 products for fp32 inputs, TF32 tensor
+  cores for bf16/fp16 inputs, whose own rounding is coarser) and accumulates their outer products in
+  registers; partial sums go to a ``(B, items_per_example, k_o, k_i)`` buffer that is summed in a
+  fixed order (no float atomics, so results are deterministic).
+- Vectorised torch path (CPU, and CUDA without Triton): two GEMMs ``X P_in`` and ``G P_out`` in
+  token blocks, then the same chunked segment reduction as one batched matmul.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from cluster_kernels._backend import (
+    check_backend_name,
+    has_triton,
+    log_choice_once,
+    missing_backend_error,
+    require_triton,
+)
+
+__all__ = ["check_cu_seqlens", "project_linear_grads", "project_linear_grads_ref"]
+
+_OP = "project_linear_grads"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TORCH_TOKEN_BLOCK = 8192  # rows converted to fp32 at a time on the torch path (bounds the temporaries)
+_TORCH_CHUNK = 256  # tokens per segment-reduction item on the torch path (padding waste <= B * chunk)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared checks
+# --------------------------------------------------------------------------------------------------
+
+
+def check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, n_tok: int) -> np.ndarray:
+    """Validate packed-sequence offsets and return them as a host int64 array.
+
+    Args:
+        op: op name used in error messages.
+        cu_seqlens: ``(B + 1,)`` int32/int64 offsets, ``cu_seqlens[0] == 0``, non-decreasing,
+            ``cu_seqlens[-1] == n_tok`` (an example may be empty).
+        n_tok: number of packed tokens.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: wrong rank, empty, not starting at 0, decreasing, or not ending at ``n_tok``.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be a torch.Tensor of int32/int64, got {type(cu_seqlens).__name__}.")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}; convert with .long().")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"{op}: cu_seqlens must be 1-D with B + 1 >= 1 entries (offsets of B examples), "
+            f"got shape {tuple(cu_seqlens.shape)}."
+        )
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    if cu[0] != 0:
+        raise ValueError(f"{op}: cu_seqlens[0] must be 0, got {int(cu[0])}.")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        bad = int(np.nonzero(steps < 0)[0][0])
+        raise ValueError(
+            f"{op}: cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}]={int(cu[bad + 1])} < "
+            f"cu_seqlens[{bad}]={int(cu[bad])} (example {bad} would have negative length)."
+        )
+    if cu[-1] != n_tok:
+        raise ValueError(
+            f"{op}: cu_seqlens[-1] must equal the number of packed tokens {n_tok}, got {int(cu[-1])}; "
+            "offsets are cumulative lengths starting at 0."
+        )
+    return cu
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    p_in: torch.Tensor,
+    p_out: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> np.ndarray:
+    for name, t in (("x", x), ("g", g), ("p_in", p_in), ("p_out", p_out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 2:
+            raise ValueError(f"{_OP}: {name} must be 2-D, got shape {tuple(t.shape)}.")
+        if t.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
+    if x.dtype != g.dtype:
+        raise TypeError(f"{_OP}: x and g must have the same dtype, got x {x.dtype} and g {g.dtype}; cast one of them.")
+    for name, t in (("g", g), ("p_in", p_in), ("p_out", p_out)):
+        if t.device != x.device:
+            raise ValueError(f"{_OP}: {name} is on {t.device} but x is on {x.device}; move all inputs to one device.")
+    n_tok, d_in = x.shape
+    if g.shape[0] != n_tok:
+        raise ValueError(f"{_OP}: x and g must have the same number of tokens, got x {n_tok} and g {g.shape[0]}.")
+    d_out = g.shape[1]
+    if p_in.shape[0] != d_in:
+        raise ValueError(f"{_OP}: p_in must have shape (d_in={d_in}, k_i), got {tuple(p_in.shape)}.")
+    if p_out.shape[0] != d_out:
+        raise ValueError(f"{_OP}: p_out must have shape (d_out={d_out}, k_o), got {tuple(p_out.shape)}.")
+    cu = check_cu_seqlens(_OP, cu_seqlens, n_tok)
+    if token_weights is not None:
+        if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+            raise TypeError(f"{_OP}: token_weights must be a floating torch.Tensor of shape (N_tok,) or None.")
+        if token_weights.shape != (n_tok,):
+            raise ValueError(f"{_OP}: token_weights must have shape ({n_tok},), got {tuple(token_weights.shape)}.")
+        if token_weights.device != x.device:
+            raise ValueError(f"{_OP}: token_weights is on {token_weights.device} but x is on {x.device}.")
+    if out is not None:
+        expected = (len(cu) - 1, p_out.shape[1], p_in.shape[1])
+        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{_OP}: out must be a float32 (or float64) torch.Tensor of shape {expected}.")
+        if tuple(out.shape) != expected:
+            raise ValueError(f"{_OP}: out must have shape (B, k_o, k_i)={expected}, got {tuple(out.shape)}.")
+        if out.device != x.device:
+            raise ValueError(f"{_OP}: out is on {out.device} but x is on {x.device}.")
+    return cu
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+
+def project_linear_grads_ref(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    p_in: torch.Tensor,
+    p_out: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Definition of the op: ``P_out^T (sum_t w_t g_t x_t^T) P_in`` per example, forming ``dW_b``.
+
+    Args:
+        x: ``(N_tok, d_in)`` layer inputs. g: ``(N_tok, d_out)`` output gradients.
+        cu_seqlens: ``(B + 1,)`` offsets. p_in: ``(d_in, k_i)``. p_out: ``(d_out, k_o)``.
+        token_weights: optional ``(N_tok,)`` weights ``w_t``.
+        upcast: compute in float64 (the oracle); otherwise in float32.
+
+    Returns:
+        ``(B, k_o, k_i)`` float64 (``upcast``) or float32 tensor.
+    """
+    cu = _check_inputs(x, g, cu_seqlens, p_in, p_out, token_weights, None)
+    dt = torch.float64 if upcast else torch.float32
+    xs, gs, pi, po = x.to(dt), g.to(dt), p_in.to(dt), p_out.to(dt)
+    w = token_weights.to(dt) if token_weights is not None else torch.ones(x.shape[0], dtype=dt, device=x.device)
+    res = torch.zeros(len(cu) - 1, p_out.shape[1], p_in.shape[1], dtype=dt, device=x.device)
+    for b in range(len(cu) - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        d_w = (gs[s:e] * w[s:e, None]).T @ xs[s:e]  # (d_out, d_in): the gradient the fast paths never form
+        res[b] = po.T @ d_w @ pi
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def _work_items(cu: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
+    """Split every example into items of <= chunk tokens: (example, slot, start, stop), slots per example."""
+    lengths = np.diff(cu)
+    n_items = (lengths + chunk - 1) // chunk
+    total = int(n_items.sum())
+    example = np.repeat(np.arange(len(lengths), dtype=np.int64), n_items)
+    first_item = np.cumsum(n_items) - n_items
+    slot = np.arange(total, dtype=np.int64) - np.repeat(first_item, n_items)
+    start = cu[:-1][example] + slot * chunk
+    stop = np.minimum(start + chunk, cu[1:][example])
+    max_slots = int(n_items.max()) if len(n_items) else 0
+    return example, slot, start.astype(np.int64), stop.astype(np.int64), max_slots
+
+
+if has_triton():
+    import triton
+    import triton.language as tl
+
+    if _INTERPRET:
+        # The interpreter runs every config of an autotuner: keep one small one.
+        _PLG_CONFIGS = [triton.Config({"BLOCK_T": 16, "BLOCK_D": 32}, num_warps=1)]
+    else:  # pragma: no cover - GPU only
+        # Few configs: every autotune key compiles all of them. The (BLOCK_T, k) tiles of P^T x and P^T g and
+        # the (k_o, k_i) accumulator live in registers, so BLOCK_T stays <= 64.
+        _PLG_CONFIGS = [
+            triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=4, num_stages=ns)
+            for bt in (32, 64)
+            for bd in (32, 64)
+            for ns in (2, 3)
+        ]
+
+    @triton.autotune(configs=_PLG_CONFIGS, key=["d_in", "d_out", "BLOCK_KO", "BLOCK_KI", "PRECISION"])
+    @triton.jit
+    def _project_linear_grads_kernel(
+        x_ptr,
+        g_ptr,
+        w_ptr,
+        p_in_ptr,
+        p_out_ptr,
+        partial_ptr,
+        item_example_ptr,
+        item_slot_ptr,
+        item_start_ptr,
+        item_stop_ptr,
+        d_in,
+        d_out,
+        k_i,
+        k_o,
+        stride_xt,
+        stride_xd,
+        stride_gt,
+        stride_gd,
+        stride_pi_d,
+        stride_pi_k,
+        stride_po_d,
+        stride_po_k,
+        stride_part_b,
+        stride_part_s,
+        stride_part_o,
+        stride_part_i,
+        HAS_WEIGHTS: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_KO: tl.constexpr,
+        BLOCK_KI: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        item = tl.program_id(0)
+        pid_o = tl.program_id(1)
+        pid_i = tl.program_id(2)
+        example = tl.load(item_example_ptr + item).to(tl.int64)
+        slot = tl.load(item_slot_ptr + item).to(tl.int64)
+        start = tl.load(item_start_ptr + item).to(tl.int64)
+        stop = tl.load(item_stop_ptr + item).to(tl.int64)
+        offs_o = pid_o * BLOCK_KO + tl.arange(0, BLOCK_KO)
+        offs_i = pid_i * BLOCK_KI + tl.arange(0, BLOCK_KI)
+        mask_o = offs_o < k_o
+        mask_i = offs_i < k_i
+        acc = tl.zeros((BLOCK_KO, BLOCK_KI), dtype=tl.float32)
+        # A 32-bit trip count (an item holds few tokens); token offsets themselves stay 64-bit.
+        n_steps = ((stop - start + BLOCK_T - 1) // BLOCK_T).to(tl.int32)
+        for step in range(0, n_steps):
+            offs_t = start + step * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+            mask_t = offs_t < stop
+            xp = tl.zeros((BLOCK_T, BLOCK_KI), dtype=tl.float32)
+            for d0 in range(0, d_in, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < d_in
+                xt = tl.load(
+                    x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd,
+                    mask=mask_t[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                pt = tl.load(
+                    p_in_ptr + offs_d[:, None] * stride_pi_d + offs_i[None, :] * stride_pi_k,
+                    mask=mask_d[:, None] & mask_i[None, :],
+                    other=0.0,
+                )
+                xp += tl.dot(xt.to(tl.float32), pt.to(tl.float32), input_precision=PRECISION)
+            gp = tl.zeros((BLOCK_T, BLOCK_KO), dtype=tl.float32)
+            for d0 in range(0, d_out, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < d_out
+                gt = tl.load(
+                    g_ptr + offs_t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+                    mask=mask_t[:, None] & mask_d[None, :],
+                    other=0.0,
+                )
+                pt = tl.load(
+                    p_out_ptr + offs_d[:, None] * stride_po_d + offs_o[None, :] * stride_po_k,
+                    mask=mask_d[:, None] & mask_o[None, :],
+                    other=0.0,
+                )
+                gp += tl.dot(gt.to(tl.float32), pt.to(tl.float32), input_precision=PRECISION)
+            if HAS_WEIGHTS:
+                wt = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+                xp = xp * wt[:, None]
+            acc += tl.dot(tl.trans(gp), xp, input_precision=PRECISION)
+        dst = (
+            partial_ptr
+            + example * stride_part_b
+            + slot * stride_part_s
+            + offs_o[:, None] * stride_part_o
+            + offs_i[None, :] * stride_part_i
+        )
+        tl.store(dst, acc, mask=mask_o[:, None] & mask_i[None, :])
+
+
+def _block_k(k: int) -> int:
+    # tl.dot needs every dimension >= 16; 64 keeps the (k_o, k_i) accumulator in registers.
+    return max(16, min(64, 1 << (k - 1).bit_length()))
+
+
+def _default_chunk(n_tok: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1024  # interpreter: fewer, longer programs
+    sms = torch.cuda.get_device_properties(device).multi_processor_count  # pragma: no cover - GPU only
+    # Enough items to fill every SM a few times, but long enough to amortise the partial-sum store.
+    return int(min(4096, max(64, 64 * math.ceil(n_tok / (4 * sms) / 64))))  # pragma: no cover
+
+
+def _project_linear_grads_triton(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    cu: np.ndarray,
+    p_in: torch.Tensor,
+    p_out: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Launch the kernel; ``out`` (B, k_o, k_i) float32 is accumulated into and returned."""
+    require_triton(_OP)
+    if x.dtype not in _TRITON_DTYPES:
+        raise TypeError(
+            f"{_OP}: backend='triton' takes float32/bfloat16/float16 inputs, got {x.dtype}; "
+            "use backend='torch' for float64."
+        )
+    if x.device.type != "cuda" and not _INTERPRET:
+        raise missing_backend_error(
+            _OP,
+            "triton",
+            f"the tensors are on {x.device} and TRITON_INTERPRET is not 1",
+            "move the tensors to a CUDA device (or set TRITON_INTERPRET=1 before importing cluster_kernels, "
+            "for testing)",
+        )
+    n_tok, d_in = x.shape
+    d_out = g.shape[1]
+    k_i, k_o = p_in.shape[1], p_out.shape[1]
+    n_ex = len(cu) - 1
+    if n_tok == 0 or n_ex == 0:
+        return out
+    chunk = int(chunk_tokens) if chunk_tokens is not None else _default_chunk(n_tok, x.device)
+    example, slot, start, stop, max_slots = _work_items(cu, chunk)
+    dev = x.device
+
+    def _dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(dev)
+
+    partial = torch.zeros(n_ex, max_slots, k_o, k_i, dtype=torch.float32, device=dev)
+    p_in32 = p_in.to(torch.float32)
+    p_out32 = p_out.to(torch.float32)
+    w = token_weights if token_weights is not None else x  # dummy pointer when HAS_WEIGHTS is False
+    lowp = x.dtype != torch.float32  # 16-bit inputs already carry ~1e-3 error: TF32 products are enough
+    block_ko, block_ki = _block_k(k_o), _block_k(k_i)
+    grid = (len(example), triton.cdiv(k_o, block_ko), triton.cdiv(k_i, block_ki))
+    _project_linear_grads_kernel[grid](
+        x,
+        g,
+        w,
+        p_in32,
+        p_out32,
+        partial,
+        _dev(example),
+        _dev(slot),
+        _dev(start),
+        _dev(stop),
+        d_in,
+        d_out,
+        k_i,
+        k_o,
+        x.stride(0),
+        x.stride(1),
+        g.stride(0),
+        g.stride(1),
+        p_in32.stride(0),
+        p_in32.stride(1),
+        p_out32.stride(0),
+        p_out32.stride(1),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        partial.stride(3),
+        HAS_WEIGHTS=token_weights is not None,
+        PRECISION="tf32" if lowp else "ieee",  # fp32 inputs keep fp32 accuracy (rel. err <= 1e-5)
+        BLOCK_KO=block_ko,
+        BLOCK_KI=block_ki,
+    )
+    out += partial.sum(dim=1).to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Vectorised torch path
+# --------------------------------------------------------------------------------------------------
+
+
+def segment_outer_sum(
+    gp: torch.Tensor, xp: torch.Tensor, cu: np.ndarray, out: torch.Tensor, chunk: int = _TORCH_CHUNK
+) -> torch.Tensor:
+    """``out[b] += sum_{t in b} gp_t xp_t^T`` for already projected tokens, as one batched matmul.
+
+    Every example is cut into items of ``chunk`` tokens (zero-padded to ``chunk``), the items' outer
+    products come from one ``bmm``, and the items of an example (contiguous) are combined through a
+    float64 prefix sum over items: a fixed order on every device, so results are deterministic.
+
+    Args:
+        gp: ``(N_tok, k_o)``; xp: ``(N_tok, k_i)`` (same floating dtype); cu: host int64 offsets.
+        out: ``(B, k_o, k_i)`` accumulated into.
+    """
+    n_ex = len(cu) - 1
+    if gp.shape[0] == 0 or n_ex == 0:
+        return out
+    example, _slot, start, stop, _ = _work_items(cu, chunk)
+    n_items = len(example)
+    lengths = stop - start
+    # Token t of item j sits at row j * chunk + (t - start_j) of the padded layout.
+    rows = np.repeat(np.arange(n_items, dtype=np.int64) * chunk - start, lengths) + np.arange(
+        int(cu[-1]), dtype=np.int64
+    )
+    rows_t = torch.from_numpy(rows).to(gp.device)
+    g_pad = gp.new_zeros(n_items * chunk, gp.shape[1]).index_copy_(0, rows_t, gp)
+    x_pad = xp.new_zeros(n_items * chunk, xp.shape[1]).index_copy_(0, rows_t, xp)
+    items = torch.bmm(g_pad.view(n_items, chunk, -1).transpose(1, 2), x_pad.view(n_items, chunk, -1))
+    n_per_ex = np.bincount(example, minlength=n_ex)
+    if (n_per_ex == 1).all():  # one item per example (the common case): nothing to combine
+        out += items.to(out.dtype)
+        return out
+    prefix = torch.zeros(n_items + 1, *items.shape[1:], dtype=torch.float64, device=items.device)
+    torch.cumsum(items.to(torch.float64), dim=0, out=prefix[1:])
+    bounds = torch.from_numpy(np.concatenate([[0], np.cumsum(n_per_ex)])).to(items.device)
+    out += (prefix[bounds[1:]] - prefix[bounds[:-1]]).to(out.dtype)
+    return out
+
+
+def _project_linear_grads_torch(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    cu: np.ndarray,
+    p_in: torch.Tensor,
+    p_out: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pi, po = p_in.to(ct), p_out.to(ct)
+    n_tok = x.shape[0]
+    xp = torch.empty(n_tok, pi.shape[1], dtype=ct, device=x.device)
+    gp = torch.empty(n_tok, po.shape[1], dtype=ct, device=x.device)
+    for s in range(0, n_tok, _TORCH_TOKEN_BLOCK):  # bounded fp32 copies of bf16/fp16 inputs
+        e = min(n_tok, s + _TORCH_TOKEN_BLOCK)
+        torch.matmul(x[s:e].to(ct), pi, out=xp[s:e])
+        torch.matmul(g[s:e].to(ct), po, out=gp[s:e])
+    if token_weights is not None:
+        xp *= token_weights.to(ct)[:, None]
+    if out.dtype == ct:
+        return segment_outer_sum(gp, xp, cu, out)
+    out += segment_outer_sum(gp, xp, cu, torch.zeros(out.shape, dtype=ct, device=out.device)).to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------------
+
+
+def _resolve_backend(op: str, backend: str, device: torch.device) -> str:
+    check_backend_name(op, backend)
+    if backend == "cuda":
+        raise ValueError(
+            f"{op}: there is no native CUDA build of this op; use backend='triton' for CUDA tensors (or 'auto')."
+        )
+    if backend == "cpu":
+        return "torch"
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and has_triton():
+        log_choice_once(op, str(device), "triton", "CUDA tensors and triton importable")
+        return "triton"
+    why = "CPU tensors" if device.type != "cuda" else "triton is not installed"
+    log_choice_once(op, str(device), "torch", why)
+    return "torch"
+
+
+def project_linear_grads(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    p_in: torch.Tensor,
+    p_out: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-example projected linear-layer gradients ``P_out^T (sum_t w_t g_t x_t^T) P_in``.
+
+    Args:
+        x: ``(N_tok, d_in)`` layer inputs, packed (example ``b`` = rows ``cu_seqlens[b]:cu_seqlens[b+1]``);
+            float32/bfloat16/float16 (float64 on the torch backend).
+        g: ``(N_tok, d_out)`` gradients of the loss w.r.t. the layer outputs, same dtype as ``x``.
+        cu_seqlens: ``(B + 1,)`` int32/int64 offsets: 0, non-decreasing, ending at ``N_tok``.
+        p_in: ``(d_in, k_i)`` projection of the input side. p_out: ``(d_out, k_o)`` of the output side.
+        token_weights: optional ``(N_tok,)`` per-token weights ``w_t``.
+        out: optional ``(B, k_o, k_i)`` float32 tensor to accumulate into (several layers into one space).
+        backend: ``"auto"`` (Triton for CUDA tensors, else torch), ``"triton"``, ``"torch"`` or ``"cpu"``
+            (alias of ``"torch"``). ``"cuda"`` is refused: this op has only a Triton GPU kernel.
+
+    Returns:
+        ``out`` (or a new tensor) of shape ``(B, k_o, k_i)``, float32 (float64 for float64 inputs on the
+        torch backend when ``out`` is None).
+
+    Raises:
+        TypeError / ValueError: mismatched shapes, dtypes or devices, bad ``cu_seqlens``, unknown backend.
+        RuntimeError: an explicitly requested backend is not available (the message says how to get it).
+    """
+    cu = _check_inputs(x, g, cu_seqlens, p_in, p_out, token_weights, out)
+    chosen = _resolve_backend(_OP, backend, x.device)
+    if out is None:
+        dt = torch.float64 if (x.dtype == torch.float64 and chosen == "torch") else torch.float32
+        out = torch.zeros(len(cu) - 1, p_out.shape[1], p_in.shape[1], dtype=dt, device=x.device)
+    if chosen == "triton":
+        return _project_linear_grads_triton(x, g, cu, p_in, p_out, token_weights, out)
+    return _project_linear_grads_torch(x, g, cu, p_in, p_out, token_weights, out)

@@ -1,0 +1,203 @@
+// pybind11 bindings of cluster_kernels._C (no torch headers: numpy buffers on the CPU, raw device
+// pointers and a CUDA stream handle for the CUDA path, so the extension does not depend on torch's ABI).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpu/kmeans.h"
+#ifdef CLUSTER_KERNELS_WITH_CUDA
+#include "cuda/kmeans.cuh"
+#endif
+
+namespace py = pybind11;
+namespace ck = cluster_kernels;
+
+namespace {
+
+template <typename T>
+using carray = py::array_t<T, py::array::c_style>;
+
+std::vector<int64_t> bounds_vec(const carray<int64_t>& a, int64_t k, const char* name) {
+  if (a.ndim() != 1 || a.shape(0) != k) throw std::invalid_argument(std::string(name) + " must have shape (k,)");
+  return std::vector<int64_t>(a.data(), a.data() + k);
+}
+
+template <typename T>
+py::array_t<T> to_numpy(const std::vector<T>& v, std::vector<py::ssize_t> shape) {
+  py::array_t<T> out(shape);
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+template <typename T>
+py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, const carray<int64_t>& hi,
+                    bool spherical, int n_init, int max_iter, double tol, uint64_t seed,
+                    std::optional<carray<T>> init, int n_threads) {
+  if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D");
+  const int64_t n = x.shape(0), d = x.shape(1);
+  if (init && (init->ndim() != 2 || init->shape(0) != k || init->shape(1) != d))
+    throw std::invalid_argument("init must have shape (k, d)");
+  auto lo_v = bounds_vec(lo, k, "lo");
+  auto hi_v = bounds_vec(hi, k, "hi");
+  ck::KMeansParams p;
+  p.k = k;
+  p.spherical = spherical;
+  p.n_init = n_init;
+  p.max_iter = max_iter;
+  p.tol = tol;
+  p.seed = seed;
+  p.n_threads = n_threads;
+  const T* init_ptr = init ? init->data() : nullptr;
+  ck::KMeansOutput out;
+  {
+    py::gil_scoped_release release;
+    out = ck::capacity_kmeans_cpu<T>(x.data(), n, d, lo_v.data(), hi_v.data(), init_ptr, p);
+  }
+  py::dict r;
+  r["labels"] = to_numpy(out.labels, {n});
+  r["centroids"] = to_numpy(out.centroids, {k, d});
+  r["distances"] = to_numpy(out.distances, {n});
+  r["inertia"] = out.inertia;
+  r["history"] = out.history;
+  r["n_iter"] = out.n_iter;
+  r["converged"] = out.converged;
+  r["auction_rounds"] = out.auction_rounds;
+  return r;
+}
+
+template <typename T>
+py::tuple assign_cpu(const carray<T>& x, const carray<T>& centroids, const carray<int64_t>& lo,
+                     const carray<int64_t>& hi, bool spherical, int n_threads) {
+  if (x.ndim() != 2 || centroids.ndim() != 2 || centroids.shape(1) != x.shape(1))
+    throw std::invalid_argument("x must be (n, d) and centroids (k, d)");
+  const int64_t n = x.shape(0), d = x.shape(1), k = centroids.shape(0);
+  auto lo_v = bounds_vec(lo, k, "lo");
+  auto hi_v = bounds_vec(hi, k, "hi");
+  py::array_t<int64_t> labels({n});
+  py::array_t<double> dist({n});
+  int64_t* lp = labels.mutable_data();
+  double* dp = dist.mutable_data();
+  {
+    py::gil_scoped_release release;
+    ck::assign_with_capacity_cpu<T>(x.data(), n, d, centroids.data(), k, lo_v.data(), hi_v.data(), spherical,
+                                    n_threads, lp, dp);
+  }
+  return py::make_tuple(labels, dist);
+}
+
+py::tuple auction(const carray<double>& dist, const carray<int64_t>& lo, const carray<int64_t>& hi,
+                  bool force_general) {
+  if (dist.ndim() != 2) throw std::invalid_argument("dist must be (n, k)");
+  const int64_t n = dist.shape(0), k = dist.shape(1);
+  auto lo_v = bounds_vec(lo, k, "lo");
+  auto hi_v = bounds_vec(hi, k, "hi");
+  ck::AuctionState state;
+  ck::AuctionParams ap;
+  ap.force_general = force_general;
+  py::array_t<int64_t> labels({n});
+  int64_t* lp = labels.mutable_data();
+  int64_t rounds;
+  {
+    py::gil_scoped_release release;
+    rounds = ck::auction_assign(dist.data(), n, k, lo_v.data(), hi_v.data(), state, lp, ap);
+  }
+  return py::make_tuple(labels, rounds, state.used_general);
+}
+
+#ifdef CLUSTER_KERNELS_WITH_CUDA
+// The CUDA entry points take raw device pointers (tensor.data_ptr()) and the caller's stream handle
+// (torch.cuda.current_stream().cuda_stream); outputs are preallocated by the caller.
+void bind_cuda(py::module_& m) {
+  m.def("cuda_device_count", &ck::cuda::device_count, "Number of CUDA devices the runtime sees (0 without a driver).");
+  m.def(
+      "kmeans_cuda",
+      [](uintptr_t x, bool is_double, int64_t n, int64_t d, int64_t k, const carray<int64_t>& lo,
+         const carray<int64_t>& hi, bool spherical, int n_init, int max_iter, double tol, uint64_t seed, uintptr_t init,
+         uintptr_t labels, uintptr_t centroids, uintptr_t distances, uintptr_t stream, int device) {
+        auto lo_v = bounds_vec(lo, k, "lo");
+        auto hi_v = bounds_vec(hi, k, "hi");
+        ck::KMeansParams p;
+        p.k = k;
+        p.spherical = spherical;
+        p.n_init = n_init;
+        p.max_iter = max_iter;
+        p.tol = tol;
+        p.seed = seed;
+        ck::cuda::CudaKMeansResult r;
+        {
+          py::gil_scoped_release release;
+          r = ck::cuda::capacity_kmeans_cuda(x, is_double, n, d, lo_v.data(), hi_v.data(), init, p, labels, centroids,
+                                             distances, stream, device);
+        }
+        py::dict out;
+        out["history"] = r.history;
+        out["n_iter"] = r.n_iter;
+        out["converged"] = r.converged;
+        out["inertia"] = r.inertia;
+        out["auction_rounds"] = r.auction_rounds;
+        return out;
+      },
+      py::arg("x"), py::arg("is_double"), py::arg("n"), py::arg("d"), py::arg("k"), py::arg("lo"), py::arg("hi"),
+      py::arg("spherical"), py::arg("n_init"), py::arg("max_iter"), py::arg("tol"), py::arg("seed"), py::arg("init"),
+      py::arg("labels"), py::arg("centroids"), py::arg("distances"), py::arg("stream"), py::arg("device"));
+  m.def(
+      "assign_cuda",
+      [](uintptr_t x, bool is_double, int64_t n, int64_t d, uintptr_t centroids, int64_t k, const carray<int64_t>& lo,
+         const carray<int64_t>& hi, bool spherical, uintptr_t labels, uintptr_t distances, uintptr_t stream,
+         int device) {
+        auto lo_v = bounds_vec(lo, k, "lo");
+        auto hi_v = bounds_vec(hi, k, "hi");
+        py::gil_scoped_release release;
+        ck::cuda::assign_with_capacity_cuda(x, is_double, n, d, centroids, k, lo_v.data(), hi_v.data(), spherical,
+                                            labels, distances, stream, device);
+      },
+      py::arg("x"), py::arg("is_double"), py::arg("n"), py::arg("d"), py::arg("centroids"), py::arg("k"),
+      py::arg("lo"), py::arg("hi"), py::arg("spherical"), py::arg("labels"), py::arg("distances"), py::arg("stream"),
+      py::arg("device"));
+  m.def(
+      "auction_assign_cuda",
+      [](uintptr_t dist, int64_t n, int64_t k, const carray<int64_t>& lo, const carray<int64_t>& hi, uintptr_t labels,
+         uintptr_t stream, int device) {
+        auto lo_v = bounds_vec(lo, k, "lo");
+        auto hi_v = bounds_vec(hi, k, "hi");
+        py::gil_scoped_release release;
+        return ck::cuda::auction_assign_cuda(dist, n, k, lo_v.data(), hi_v.data(), labels, stream, device);
+      },
+      py::arg("dist"), py::arg("n"), py::arg("k"), py::arg("lo"), py::arg("hi"), py::arg("labels"), py::arg("stream"),
+      py::arg("device"));
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native kernels of cluster_kernels (C++/OpenMP, optional CUDA).";
+  m.attr("openmp") = ck::openmp_enabled();
+  m.def("max_threads", &ck::openmp_max_threads, "OpenMP's default thread count.");
+
+  m.def("kmeans_cpu", &kmeans_cpu<float>, py::arg("x"), py::arg("k"), py::arg("lo"), py::arg("hi"),
+        py::arg("spherical"), py::arg("n_init"), py::arg("max_iter"), py::arg("tol"), py::arg("seed"),
+        py::arg("init") = py::none(), py::arg("n_threads") = 0);
+  m.def("kmeans_cpu", &kmeans_cpu<double>, py::arg("x"), py::arg("k"), py::arg("lo"), py::arg("hi"),
+        py::arg("spherical"), py::arg("n_init"), py::arg("max_iter"), py::arg("tol"), py::arg("seed"),
+        py::arg("init") = py::none(), py::arg("n_threads") = 0);
+  m.def("assign_cpu", &assign_cpu<float>, py::arg("x"), py::arg("centroids"), py::arg("lo"), py::arg("hi"),
+        py::arg("spherical"), py::arg("n_threads") = 0);
+  m.def("assign_cpu", &assign_cpu<double>, py::arg("x"), py::arg("centroids"), py::arg("lo"), py::arg("hi"),
+        py::arg("spherical"), py::arg("n_threads") = 0);
+  m.def("auction_assign", &auction, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("force_general") = false,
+        "Capacity-constrained assignment for a float64 (n, k) cost matrix: (labels, rounds, used_general).");
+
+#ifdef CLUSTER_KERNELS_WITH_CUDA
+  m.attr("has_cuda") = true;
+  bind_cuda(m);
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

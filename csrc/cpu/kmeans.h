@@ -1,0 +1,90 @@
+// Capacity-constrained K-means, CPU (C++17 + OpenMP).
+//
+// The maths and the algorithm are described in cluster_kernels/kmeans.py (module docstring); this
+// file is the native port of its float64 reference. Everything is deterministic and independent of
+// the number of threads: parallel loops write disjoint outputs, and every floating-point reduction
+// runs over fixed-size chunks combined in a fixed order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cluster_kernels {
+
+// Auction constants: fractions of the cost range (mirrors EPS_* in cluster_kernels/kmeans.py).
+struct AuctionParams {
+  double eps_start = 0.1;    // cold-start eps
+  double eps_warm = 1e-3;    // eps when prices are warm-started from the previous Lloyd iteration
+  double eps_final = 1e-10;  // last phase's eps (float64 costs)
+  double eps_shrink = 8.0;   // eps divisor per phase
+  int64_t max_rounds = 1000000;  // safety net; reaching it is an internal error
+  bool force_general = false;    // tests: skip the floor auction and run the general one
+};
+
+struct KMeansParams {
+  int64_t k = 8;          // number of clusters
+  bool spherical = false; // metric="cosine": unit rows, renormalised centroids
+  int n_init = 3;         // k-means++ restarts (ignored when initial centroids are given)
+  int max_iter = 100;     // Lloyd iterations per restart
+  double tol = 1e-4;      // relative objective decrease below which a restart stops
+  uint64_t seed = 0;      // splitmix64 seed
+  int n_threads = 0;      // OpenMP threads (0: the OpenMP default)
+};
+
+struct KMeansOutput {
+  std::vector<int64_t> labels;      // (n,)
+  std::vector<double> centroids;    // (k, d), in the caller's frame (mean added back)
+  std::vector<double> distances;    // (n,) squared distance to own centroid (cosine: 1 - cos)
+  double inertia = 0.0;
+  std::vector<double> history;      // objective after each assignment step (cosine: halved)
+  int n_iter = 0;
+  bool converged = false;
+  int64_t auction_rounds = 0;       // total over the best restart
+};
+
+// Dual prices kept between calls for warm starts (empty: cold start).
+struct AuctionState {
+  std::vector<double> floor_prices;    // the relaxed problem (upper bounds only), one per cluster
+  std::vector<double> general_prices;  // the general problem, one per object (mandatory/optional part)
+  bool used_general = false;           // whether the last call needed the general auction
+};
+
+// Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
+// lo[j] <= size_j <= hi[j]. The problem without lower bounds is solved first (floor auction); if
+// its solution meets them it is optimal, otherwise the general (dummy) auction runs. Returns the
+// number of auction rounds.
+int64_t auction_assign(const double* dist, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
+                       AuctionState& state, int64_t* labels, const AuctionParams& ap = AuctionParams());
+
+// Full Lloyd loop. x is (n, d) row-major; init (k, d) or nullptr for k-means++.
+template <typename T>
+KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t* lo, const int64_t* hi,
+                                 const T* init, const KMeansParams& p);
+
+// Assignment to fixed centroids (k, d). Writes labels and distances (n,).
+template <typename T>
+void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroids, int64_t k, const int64_t* lo,
+                              const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances);
+
+// The splitmix64 stream shared with the Python reference and the CUDA path.
+struct SplitMix64 {
+  uint64_t state;
+  explicit SplitMix64(uint64_t seed) : state(seed) {}
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
+};
+
+inline uint64_t run_seed(uint64_t seed, uint64_t run) {
+  return seed * 0x100000001B3ULL + run * 0x9E3779B97F4A7C15ULL + 1ULL;
+}
+
+bool openmp_enabled();
+int openmp_max_threads();
+
+}  // namespace cluster_kernels

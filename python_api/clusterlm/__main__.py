@@ -1,0 +1,5 @@
+import sys
+
+from clusterlm.cli import main
+
+sys.exit(main())

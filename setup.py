@@ -1,0 +1,179 @@
+"""Build script for CluSTER kernels.
+
+Builds the pybind11 extension ``cluster_kernels._C`` (no torch headers, so it does not depend on
+torch's ABI and builds in seconds):
+
+* the CPU part (``csrc/cpu/*.cpp``) always, with OpenMP when the compiler supports it;
+* the CUDA part (``csrc/cuda/*.cu``) when a CUDA toolkit (``nvcc``) is found, for sm_90 plus a
+  compute_90 PTX fallback. ``CLUSTER_KERNELS_CUDA=0`` forces it off, ``=1`` forces it on (and fails
+  if nvcc is missing). ``CLUSTER_KERNELS_CUDA_ARCH`` overrides the architecture list, e.g. "80;90".
+
+Installing never needs a GPU: setup prints which parts it built and why a part was skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def _log(msg: str) -> None:
+    print(f"[cluster_kernels setup] {msg}", file=sys.stderr, flush=True)
+
+
+def _find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cuda_wanted() -> tuple[str | None, str]:
+    """Return (nvcc path or None, reason) following CLUSTER_KERNELS_CUDA."""
+    flag = os.environ.get("CLUSTER_KERNELS_CUDA", "auto").strip().lower()
+    nvcc = _find_nvcc()
+    if flag in ("0", "off", "false", "no"):
+        return None, "CLUSTER_KERNELS_CUDA=0"
+    if nvcc is None:
+        if flag in ("1", "on", "true", "yes"):
+            raise RuntimeError(
+                "CLUSTER_KERNELS_CUDA=1 but no nvcc was found: install a CUDA toolkit, set CUDA_HOME to it, "
+                "or unset CLUSTER_KERNELS_CUDA to build the CPU part only."
+            )
+        return None, "no CUDA toolkit found (nvcc not in CUDA_HOME, /usr/local/cuda or PATH)"
+    return nvcc, f"nvcc at {nvcc}"
+
+
+def _openmp_flags(compiler) -> tuple[list[str], list[str]]:
+    """Probe whether the C++ compiler accepts -fopenmp."""
+    src = "#include <omp.h>\nint main(){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.cpp"
+        path.write_text(src)
+        try:
+            compiler.compile([str(path)], output_dir=tmp, extra_postargs=["-fopenmp"])
+            return ["-fopenmp"], ["-fopenmp"]
+        except Exception:  # noqa: BLE001 - any failure means "no OpenMP"
+            return [], []
+
+
+def _cuda_gencode() -> list[str]:
+    archs = os.environ.get("CLUSTER_KERNELS_CUDA_ARCH", "90").replace(",", ";").split(";")
+    flags = []
+    for arch in (a.strip() for a in archs if a.strip()):
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    last = archs[-1].strip()
+    flags.append(f"-gencode=arch=compute_{last},code=compute_{last}")  # PTX for newer GPUs
+    return flags
+
+
+class BuildExt(build_ext):
+    """build_ext that adds OpenMP when available and compiles .cu sources with nvcc."""
+
+    def build_extension(self, ext):
+        omp_c, omp_l = _openmp_flags(self.compiler)
+        if omp_c:
+            _log("CPU part: building with OpenMP")
+        else:
+            _log("CPU part: building WITHOUT OpenMP (the compiler rejected -fopenmp); it will run single-threaded")
+        ext.extra_compile_args = list(ext.extra_compile_args or []) + omp_c
+        ext.extra_link_args = list(ext.extra_link_args or []) + omp_l
+
+        cu_sources = [s for s in ext.sources if s.endswith(".cu")]
+        ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
+        if cu_sources:
+            nvcc = _find_nvcc()
+            objects = []
+            build_tmp = Path(self.build_temp) / "cuda"
+            build_tmp.mkdir(parents=True, exist_ok=True)
+            include_dirs = [str(ROOT / "csrc")] + list(ext.include_dirs or [])
+            include_dirs.append(sysconfig.get_paths()["include"])
+            for src in cu_sources:
+                obj = build_tmp / (Path(src).stem + ".o")
+                cmd = [nvcc, "-c", src, "-o", str(obj), "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                       "-Xcompiler", "-fPIC", *_cuda_gencode()]
+                cmd += [f"-I{d}" for d in include_dirs]
+                _log("nvcc: " + " ".join(cmd))
+                subprocess.check_call(cmd)
+                objects.append(str(obj))
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            cuda_lib = Path(nvcc).resolve().parent.parent / "lib64"
+            ext.library_dirs = list(ext.library_dirs or []) + [str(cuda_lib)]
+            # Static cudart: the extension imports on machines without a CUDA runtime library.
+            ext.libraries = list(ext.libraries or []) + ["cudart_static", "rt", "dl", "pthread"]
+        super().build_extension(ext)
+
+
+def _extension() -> Pybind11Extension:
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    sources.append("csrc/bindings.cpp")
+    macros = []
+    nvcc, why = _cuda_wanted()
+    cu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    if nvcc and not cu_sources:
+        nvcc, why = None, "no CUDA sources in csrc/cuda"
+    if nvcc:
+        sources += cu_sources
+        macros.append(("CLUSTER_KERNELS_WITH_CUDA", "1"))
+        _log(f"CUDA part: building ({why}); gencode {' '.join(_cuda_gencode())}")
+    else:
+        _log(f"CUDA part: skipped ({why})")
+    return Pybind11Extension(
+        "cluster_kernels._C",
+        sources,
+        include_dirs=["csrc"],
+        define_macros=macros,
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fno-math-errno"],
+    )
+
+
+setup(
+    name="cluster-kernels",
+    version="0.1.0",
+    description="Fast cluster-aware balanced data selection for multi-GPU LLM fine-tuning (CluSTER).",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["cluster_kernels", "cluster_kernels.*"])
+    + ["clusterlm"] + [f"clusterlm.{p}" for p in find_packages("python_api/clusterlm")],
+    package_dir={"clusterlm": "python_api/clusterlm"},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExt},
+    install_requires=[
+        "numpy>=1.24",
+        "torch>=2.2",
+        "transformers>=4.45",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "scipy>=1.11",
+            "scikit-learn>=1.4",
+            "pytest-benchmark>=4",
+            "peft>=0.10",
+            "triton>=3.0",
+        ],
+        "bench": [
+            "pytest-benchmark>=4",
+            "scikit-learn>=1.4",
+            "faiss-cpu>=1.8",
+            "k-means-constrained>=0.9",
+        ],
+    },
+    entry_points={"console_scripts": ["clusterlm=clusterlm.cli:main"]},
+    zip_safe=False,
+)
