@@ -166,6 +166,7 @@ setup(
             "pytest-benchmark>=4",
             "peft>=0.10",
             "triton>=3.0",
+            "datasets>=2.14",
         ],
         "bench": [
             "pytest-benchmark>=4",

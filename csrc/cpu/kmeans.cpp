@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -112,47 +113,98 @@ constexpr int lanes() {
 #define CK_TARGET_CLONES
 #endif
 
-CK_TARGET_CLONES
-void sqdist_block_f(const float* x, const double* xnorm, int64_t i0, int64_t i1, int64_t d, const float* c,
-                    const double* cnorm, int64_t k, double* out) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const float* xi = x + i * d;
-    for (int64_t j = 0; j < k; ++j) {
-      const double v = xnorm[i] + cnorm[j] - 2.0 * static_cast<double>(dot_lanes<float, 32>(xi, c + j * d, d));
-      out[i * k + j] = v > 0.0 ? v : 0.0;
+// Many centroids: a register tile of kPts points x W centroids, the centroids transposed to a
+// (d, kp) panel so W consecutive centroids form one SIMD vector (GCC vector extension: one AVX
+// register in the x86-64-v3 clone, two SSE registers otherwise). Each output is a sum over t in
+// order, so the result does not depend on the vector width.
+template <typename T, int W>
+inline void sqdist_tile(const T* __restrict x, const double* xnorm, int64_t i0, int64_t i1, int64_t d,
+                        const T* __restrict ct, int64_t kp, const double* cnorm, int64_t k, double* out) {
+  typedef T vec __attribute__((vector_size(W * sizeof(T))));
+  constexpr int kPts = 4;
+  for (int64_t i = i0; i < i1; i += kPts) {
+    const int np = static_cast<int>(std::min<int64_t>(kPts, i1 - i));
+    const T* xr[kPts];
+    for (int p = 0; p < kPts; ++p) xr[p] = x + (i + std::min(p, np - 1)) * d;
+    for (int64_t j0 = 0; j0 < k; j0 += W) {
+      vec acc[kPts];
+      for (int p = 0; p < kPts; ++p) acc[p] = vec{};
+      for (int64_t t = 0; t < d; ++t) {
+        vec c;
+        std::memcpy(&c, ct + t * kp + j0, sizeof(vec));
+        for (int p = 0; p < kPts; ++p) acc[p] += xr[p][t] * c;
+      }
+      for (int p = 0; p < np; ++p) {
+        for (int w = 0; w < W && j0 + w < k; ++w) {
+          const double v = xnorm[i + p] + cnorm[j0 + w] - 2.0 * static_cast<double>(acc[p][w]);
+          out[(i + p) * k + j0 + w] = v > 0.0 ? v : 0.0;
+        }
+      }
     }
   }
 }
 
-CK_TARGET_CLONES
-void sqdist_block_d(const double* x, const double* xnorm, int64_t i0, int64_t i1, int64_t d, const double* c,
-                    const double* cnorm, int64_t k, double* out) {
+// One centroid (k-means++): lanes over the feature dimension instead.
+template <typename T>
+inline void sqdist_one(const T* __restrict x, const double* xnorm, int64_t i0, int64_t i1, int64_t d,
+                       const T* __restrict c, const double* cnorm, double* out) {
   for (int64_t i = i0; i < i1; ++i) {
-    const double* xi = x + i * d;
-    for (int64_t j = 0; j < k; ++j) {
-      const double v = xnorm[i] + cnorm[j] - 2.0 * dot_lanes<double, 16>(xi, c + j * d, d);
-      out[i * k + j] = v > 0.0 ? v : 0.0;
-    }
+    const double v = xnorm[i] + cnorm[0] - 2.0 * static_cast<double>(dot_lanes<T, lanes<T>()>(x + i * d, c, d));
+    out[i] = v > 0.0 ? v : 0.0;
   }
 }
 
-inline void sqdist_block(const float* x, const double* xn, int64_t i0, int64_t i1, int64_t d, const float* c,
-                         const double* cn, int64_t k, double* out) {
-  sqdist_block_f(x, xn, i0, i1, d, c, cn, k, out);
-}
-inline void sqdist_block(const double* x, const double* xn, int64_t i0, int64_t i1, int64_t d, const double* c,
-                         const double* cn, int64_t k, double* out) {
-  sqdist_block_d(x, xn, i0, i1, d, c, cn, k, out);
+CK_TARGET_CLONES
+void sqdist_block_f(const float* x, const double* xnorm, int64_t i0, int64_t i1, int64_t d, const float* ct,
+                    int64_t kp, const double* cnorm, int64_t k, double* out) {
+  if (k == 1)
+    sqdist_one(x, xnorm, i0, i1, d, ct, cnorm, out);
+  else
+    sqdist_tile<float, 8>(x, xnorm, i0, i1, d, ct, kp, cnorm, k, out);
 }
 
+CK_TARGET_CLONES
+void sqdist_block_d(const double* x, const double* xnorm, int64_t i0, int64_t i1, int64_t d, const double* ct,
+                    int64_t kp, const double* cnorm, int64_t k, double* out) {
+  if (k == 1)
+    sqdist_one(x, xnorm, i0, i1, d, ct, cnorm, out);
+  else
+    sqdist_tile<double, 4>(x, xnorm, i0, i1, d, ct, kp, cnorm, k, out);
+}
+
+inline void sqdist_block(const float* x, const double* xn, int64_t i0, int64_t i1, int64_t d, const float* ct,
+                         int64_t kp, const double* cn, int64_t k, double* out) {
+  sqdist_block_f(x, xn, i0, i1, d, ct, kp, cn, k, out);
+}
+inline void sqdist_block(const double* x, const double* xn, int64_t i0, int64_t i1, int64_t d, const double* ct,
+                         int64_t kp, const double* cn, int64_t k, double* out) {
+  sqdist_block_d(x, xn, i0, i1, d, ct, kp, cn, k, out);
+}
+
+template <typename T>
+constexpr int64_t tile_width() {
+  return sizeof(T) == 4 ? 8 : 4;
+}
+
+// Distances of all rows of x to k centroids c (k, d) row-major. For k > 1 the centroids are first
+// transposed into a zero-padded (d, kp) panel.
 template <typename T>
 void sqdist(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, const double* cnorm, int64_t k,
             double* out) {
   constexpr int64_t kBlock = 64;
+  const int64_t kp = k == 1 ? 1 : (k + tile_width<T>() - 1) / tile_width<T>() * tile_width<T>();
+  std::vector<T> panel;
+  const T* ct = c;
+  if (k > 1) {
+    panel.assign(static_cast<size_t>(d) * kp, T(0));
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < d; ++t) panel[t * kp + j] = c[j * d + t];
+    ct = panel.data();
+  }
   const int64_t nb = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
-    sqdist_block(x, xnorm, b * kBlock, std::min(n, (b + 1) * kBlock), d, c, cnorm, k, out);
+    sqdist_block(x, xnorm, b * kBlock, std::min(n, (b + 1) * kBlock), d, ct, kp, cnorm, k, out);
   }
 }
 
@@ -707,7 +759,9 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
   };
   const int64_t first = std::min<int64_t>(static_cast<int64_t>(rng.uniform() * static_cast<double>(n)), n - 1);
   put(0, first);
-  std::vector<double> closest(n), cand_d(n), best_d(n), cum(n);
+  std::vector<double> closest(n), cand_d(static_cast<size_t>(n) * trials), best_d(n), cum(n);
+  std::vector<T> cand_rows(static_cast<size_t>(trials) * d);
+  std::vector<double> cand_norm(trials);
   dist_to_row(p, n, d, first, closest);
   for (int64_t j = 1; j < k; ++j) {
     double run = 0.0;
@@ -719,19 +773,24 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
       const int64_t idx = std::upper_bound(cum.begin(), cum.end(), r) - cum.begin();
       cands[t] = std::min(idx, n - 1);
     }
-    double best_pot = kInf;
-    int64_t best_c = -1;
+    // All candidates in one pass over the data (the tiled kernel), then their potentials.
     for (int t = 0; t < trials; ++t) {
-      dist_to_row(p, n, d, cands[t], cand_d);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) cand_d[i] = std::min(closest[i], cand_d[i]);
-      const double pot = chunked_sum(n, [&](int64_t i) { return cand_d[i]; });
+      std::copy(p.x.begin() + cands[t] * d, p.x.begin() + (cands[t] + 1) * d, cand_rows.begin() + t * d);
+      cand_norm[t] = p.xnorm[cands[t]];
+    }
+    sqdist(p.x.data(), p.xnorm.data(), n, d, cand_rows.data(), cand_norm.data(), trials, cand_d.data());
+    double best_pot = kInf;
+    int best_t = -1;
+    for (int t = 0; t < trials; ++t) {
+      const double pot = chunked_sum(n, [&](int64_t i) { return std::min(closest[i], cand_d[i * trials + t]); });
       if (pot < best_pot) {
         best_pot = pot;
-        best_c = cands[t];
-        best_d.swap(cand_d);
+        best_t = t;
       }
     }
+    const int64_t best_c = cands[best_t];
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) best_d[i] = std::min(closest[i], cand_d[i * trials + best_t]);
     put(j, best_c);
     closest.swap(best_d);
   }
