@@ -219,10 +219,16 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
     slack = int(hi.sum()) - n
     hi_t = torch.as_tensor(hi, device=dev)
 
-    def start() -> torch.Tensor:
-        # Exact argmin; then a cluster below its cap with a positive price lowers its price just
-        # enough to pull in its deficit (reverse step), stopping at 0 where room is allowed.
-        obj = torch.argmin(dist + torch.as_tensor(prices, device=dev), dim=1)
+    def start(obj: torch.Tensor | None) -> torch.Tensor:
+        # Exact argmin in the first phase, then only the points violating the new eps move; a
+        # cluster below its cap with a positive price then lowers its price just enough to pull in
+        # its deficit (reverse step), stopping at 0 where room is allowed.
+        c = dist + torch.as_tensor(prices, device=dev)
+        best_cost, best = c.min(dim=1)
+        if obj is None:
+            obj = best
+        else:
+            obj = torch.where(c.gather(1, obj[:, None])[:, 0] > best_cost + eps, best, obj)
         if slack <= 0:
             return obj
         counts = torch.bincount(obj, minlength=k).cpu().numpy()
@@ -258,7 +264,7 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
                 counts = torch.bincount(obj, minlength=k).cpu().numpy()
         return obj
 
-    obj = start()
+    obj = start(None)
     rounds = 0
     idx = torch.arange(n, device=dev)
     while True:
@@ -288,7 +294,7 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
         if eps <= eps_final:
             break
         eps = max(eps / EPS_SHRINK, eps_final)
-        obj = start()
+        obj = start(obj)
     return obj, prices, rounds
 
 

@@ -332,11 +332,14 @@ int64_t floor_auction(const double* D, int64_t n, int64_t k, const int64_t* hi, 
   // points with the smallest extra cost come, and every other point stays within eps of its best);
   // a price that would go below 0 stops at 0, where being under-full is allowed. Zeroing the price
   // outright instead would throw away what earlier phases learnt and restart price wars.
-  auto start = [&]() {
+  // The first phase starts from the exact argmin; later phases move only the points that violate
+  // the new eps (everyone else already sits within it), which keeps most of the previous phase's work.
+  auto start = [&](bool first) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       double bc;
-      obj[i] = static_cast<int32_t>(best_cluster(D + i * k, prices.data(), k, -1, &bc));
+      const int64_t b = best_cluster(D + i * k, prices.data(), k, -1, &bc);
+      if (first || D[i * k + obj[i]] + prices[obj[i]] > bc + eps) obj[i] = static_cast<int32_t>(b);
     }
     recount();
     if (slack <= 0) return;
@@ -388,7 +391,7 @@ int64_t floor_auction(const double* D, int64_t n, int64_t k, const int64_t* hi, 
       }
     }
   };
-  start();
+  start(true);
   std::vector<double> regret(n);
   std::vector<int64_t> slot(k);
   std::vector<std::vector<int64_t>> members;
@@ -453,7 +456,7 @@ int64_t floor_auction(const double* D, int64_t n, int64_t k, const int64_t* hi, 
     }
     if (eps <= es.eps_final) break;
     eps = std::max(eps / ap.eps_shrink, es.eps_final);
-    start();
+    start(false);
   }
   return rounds;
 }
