@@ -13,8 +13,8 @@ Installing never needs a GPU: setup prints which parts it built and why a part w
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -32,11 +32,16 @@ def _log(msg: str) -> None:
     print(f"[cluster_kernels setup] {msg}", file=sys.stderr, flush=True)
 
 
-def _find_nvcc() -> str | None:
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+def _load_cuda_build():
+    # By path: importing the package would run its __init__, which needs torch.
+    spec = importlib.util.spec_from_file_location("_cuda_build", ROOT / "cluster_kernels" / "_cuda_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CUDA_BUILD = _load_cuda_build()
+_find_nvcc = _CUDA_BUILD.find_nvcc
 
 
 def _cuda_wanted() -> tuple[str | None, str]:
@@ -69,13 +74,7 @@ def _openmp_flags(compiler) -> tuple[list[str], list[str]]:
 
 
 def _cuda_gencode() -> list[str]:
-    archs = os.environ.get("CLUSTER_KERNELS_CUDA_ARCH", "90").replace(",", ";").split(";")
-    flags = []
-    for arch in (a.strip() for a in archs if a.strip()):
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-    last = archs[-1].strip()
-    flags.append(f"-gencode=arch=compute_{last},code=compute_{last}")  # PTX for newer GPUs
-    return flags
+    return _CUDA_BUILD.gencode_flags()
 
 
 class BuildExt(build_ext):
@@ -101,9 +100,7 @@ class BuildExt(build_ext):
             include_dirs.append(sysconfig.get_paths()["include"])
             for src in cu_sources:
                 obj = build_tmp / (Path(src).stem + ".o")
-                cmd = [nvcc, "-c", src, "-o", str(obj), "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                       "-Xcompiler", "-fPIC", *_cuda_gencode()]
-                cmd += [f"-I{d}" for d in include_dirs]
+                cmd = _CUDA_BUILD.nvcc_command(src, obj, include_dirs, nvcc=nvcc)
                 _log("nvcc: " + " ".join(cmd))
                 subprocess.check_call(cmd)
                 objects.append(str(obj))
