@@ -2,6 +2,8 @@
 // See kmeans.h and the module docstring of cluster_kernels/kmeans.py for the algorithm.
 #include "cpu/kmeans.h"
 
+#include "cpu/auction_objects.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -34,6 +36,10 @@ int openmp_max_threads() {
 }
 
 namespace {
+
+using auction::cheapest_dummy_object;
+using auction::EpsSchedule;
+using auction::Objects;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -219,36 +225,6 @@ double row_sqnorm(const T* v, int64_t d) {
 // The eviction auction.
 // ------------------------------------------------------------------------------------------------
 
-// Each cluster becomes a mandatory object (lo slots, real points only) and an optional object
-// (hi - lo slots, real points or zero-cost dummy units).
-struct Objects {
-  std::vector<int64_t> cluster, cap;
-  std::vector<char> dummy_ok;
-  Objects(const int64_t* lo, const int64_t* hi, int64_t k) {
-    for (int64_t j = 0; j < k; ++j) {
-      if (lo[j] > 0) add(j, lo[j], false);
-      if (hi[j] > lo[j]) add(j, hi[j] - lo[j], true);
-    }
-  }
-  void add(int64_t j, int64_t c, bool d) {
-    cluster.push_back(j);
-    cap.push_back(c);
-    dummy_ok.push_back(d ? 1 : 0);
-  }
-  int64_t size() const { return static_cast<int64_t>(cluster.size()); }
-};
-
-int64_t cheapest_dummy_object(const std::vector<double>& prices, const Objects& ob, int64_t exclude) {
-  int64_t best = -1;
-  double bp = kInf;
-  for (int64_t o = 0; o < ob.size(); ++o) {
-    if (ob.dummy_ok[o] && o != exclude && prices[o] < bp) {
-      best = o;
-      bp = prices[o];
-    }
-  }
-  return best;
-}
 
 std::vector<int64_t> count_objects(const std::vector<int32_t>& obj, int64_t m) {
   const int64_t n = static_cast<int64_t>(obj.size());
@@ -264,11 +240,6 @@ std::vector<int64_t> count_objects(const std::vector<int32_t>& obj, int64_t m) {
   return counts;
 }
 
-// eps schedule of one auction call: from eps_start (or eps_warm with warm prices) down to
-// eps_final, all relative to the largest per-point cost range.
-struct EpsSchedule {
-  double eps, eps_final;
-};
 
 EpsSchedule eps_schedule(const double* D, int64_t n, int64_t k, const std::vector<double>& prices, bool warm,
                          const AuctionParams& ap) {

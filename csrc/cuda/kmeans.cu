@@ -39,6 +39,8 @@
 // running sum over all points, so a draw can differ only when it falls within rounding of a boundary.
 #include "cuda/kmeans.cuh"
 
+#include "cpu/auction_objects.h"
+
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
@@ -61,6 +63,10 @@
 namespace cluster_kernels {
 namespace cuda {
 namespace {
+
+using auction::cheapest_dummy_object;
+using auction::EpsSchedule;
+using auction::Objects;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int kThreads = 256;  // every kernel's block size (the tree reductions assume it)
@@ -1076,38 +1082,7 @@ void sort_pairs(Ctx& ctx, const KeyT* kin, KeyT* kout, const int* vin, int* vout
 // The eviction auction (mirrors floor_auction, dummy_auction and auction_assign of kmeans.cpp)
 // ------------------------------------------------------------------------------------------------
 
-struct Objects {  // as in kmeans.cpp
-  std::vector<int64_t> cluster, cap;
-  std::vector<char> dummy_ok;
-  Objects(const int64_t* lo, const int64_t* hi, int64_t k) {
-    for (int64_t j = 0; j < k; ++j) {
-      if (lo[j] > 0) add(j, lo[j], false);
-      if (hi[j] > lo[j]) add(j, hi[j] - lo[j], true);
-    }
-  }
-  void add(int64_t j, int64_t c, bool d) {
-    cluster.push_back(j);
-    cap.push_back(c);
-    dummy_ok.push_back(d ? 1 : 0);
-  }
-  int64_t size() const { return static_cast<int64_t>(cluster.size()); }
-};
 
-int64_t cheapest_dummy_object(const std::vector<double>& prices, const Objects& ob, int64_t exclude) {
-  int64_t best = -1;
-  double bp = kInf;
-  for (int64_t o = 0; o < ob.size(); ++o) {
-    if (ob.dummy_ok[o] && o != exclude && prices[o] < bp) {
-      best = o;
-      bp = prices[o];
-    }
-  }
-  return best;
-}
-
-struct EpsSchedule {
-  double eps, eps_final;
-};
 
 class AuctionGpu {
  public:

@@ -1,0 +1,50 @@
+// Host-side pieces of the eviction auction shared by the CPU (kmeans.cpp) and CUDA (kmeans.cu)
+// paths: the split of clusters into auction objects and the eps schedule's shape.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace cluster_kernels {
+namespace auction {
+
+// Each cluster becomes a mandatory object (lo slots, real points only) and an optional object
+// (hi - lo slots, real points or zero-cost dummy units).
+struct Objects {
+  std::vector<int64_t> cluster, cap;
+  std::vector<char> dummy_ok;
+  Objects(const int64_t* lo, const int64_t* hi, int64_t k) {
+    for (int64_t j = 0; j < k; ++j) {
+      if (lo[j] > 0) add(j, lo[j], false);
+      if (hi[j] > lo[j]) add(j, hi[j] - lo[j], true);
+    }
+  }
+  void add(int64_t j, int64_t c, bool d) {
+    cluster.push_back(j);
+    cap.push_back(c);
+    dummy_ok.push_back(d ? 1 : 0);
+  }
+  int64_t size() const { return static_cast<int64_t>(cluster.size()); }
+};
+
+// The cheapest object that may hold dummies, other than `exclude` (lowest index on ties); -1 if none.
+inline int64_t cheapest_dummy_object(const std::vector<double>& prices, const Objects& ob, int64_t exclude) {
+  int64_t best = -1;
+  double bp = std::numeric_limits<double>::infinity();
+  for (int64_t o = 0; o < ob.size(); ++o) {
+    if (ob.dummy_ok[o] && o != exclude && prices[o] < bp) {
+      best = o;
+      bp = prices[o];
+    }
+  }
+  return best;
+}
+
+// eps schedule of one auction call: from the first eps down to eps_final.
+struct EpsSchedule {
+  double eps, eps_final;
+};
+
+}  // namespace auction
+}  // namespace cluster_kernels
