@@ -2,8 +2,10 @@
 // paths: the split of clusters into auction objects and the eps schedule's shape.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace cluster_kernels {
@@ -39,6 +41,25 @@ inline int64_t cheapest_dummy_object(const std::vector<double>& prices, const Ob
     }
   }
   return best;
+}
+
+// Initial dummy units: sum(hi) - n of them fill the free room of the dummy-capable objects in order
+// of ascending price (stable); any left over go to the cheapest such object.
+inline std::vector<int64_t> place_dummies(const std::vector<double>& prices, const Objects& ob,
+                                          const std::vector<int64_t>& real, int64_t n_dummy) {
+  const int64_t m = ob.size();
+  std::vector<int64_t> dummies(m, 0), order(m);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return prices[a] < prices[b]; });
+  int64_t left = n_dummy;
+  for (int64_t o : order) {
+    if (!ob.dummy_ok[o] || left == 0) continue;
+    const int64_t put = std::min(std::max<int64_t>(ob.cap[o] - real[o], 0), left);
+    dummies[o] = put;
+    left -= put;
+  }
+  if (left > 0) dummies[cheapest_dummy_object(prices, ob, -1)] += left;
+  return dummies;
 }
 
 // eps schedule of one auction call: from the first eps down to eps_final.

@@ -1396,22 +1396,9 @@ class AuctionGpu {
     upload_prices(prices);
     argmin_all();
     std::vector<int64_t> real = histogram(ctx_, hist_, obj_.data(), n, m_);
-    std::vector<int64_t> dummies(m, 0);
     int64_t n_dummy = -n;
     for (int64_t j = 0; j < k; ++j) n_dummy += hi[j];
-    {
-      std::vector<int64_t> order(m);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return prices[a] < prices[b]; });
-      int64_t left = n_dummy;
-      for (int64_t o : order) {
-        if (!ob.dummy_ok[o] || left == 0) continue;
-        const int64_t put = std::min(std::max<int64_t>(ob.cap[o] - real[o], 0), left);
-        dummies[o] = put;
-        left -= put;
-      }
-      if (left > 0) dummies[cheapest_dummy_object(prices, ob, -1)] += left;
-    }
+    std::vector<int64_t> dummies = auction::place_dummies(prices, ob, real, n_dummy);
 
     std::vector<int> slot(m, -1);
     // lb[o]: lower bound on the smallest regret among o's real members (see kmeans.cpp).
