@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test install bench lint clean
+.PHONY: demo test install bench bench-compare lint clean
 
 $(VENV)/.deps: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: install
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PY) benchmarks/compare_kmeans.py
+	$(PY) benchmarks/bench_token_balance.py
+	$(PY) benchmarks/render_benchmarks.py
+
+# The end-to-end selection benchmark (all methods through the trainer, 3 seeds): over an hour on 2 cores.
+bench-compare: install
+	$(PY) benchmarks/bench_compare.py --epochs 3
 	$(PY) benchmarks/render_benchmarks.py
 
 lint: install

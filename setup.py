@@ -152,9 +152,13 @@ setup(
         "numpy>=1.24",
         "torch>=2.2",
         "transformers>=4.45",
+        "tokenizers>=0.19",
+        "datasets>=2.14",
+        "matplotlib>=3.7",
         "tqdm>=4.66",
     ],
     extras_require={
+        "lora": ["peft>=0.10"],
         "test": [
             "pytest>=8",
             "hypothesis>=6.100",
@@ -163,7 +167,6 @@ setup(
             "pytest-benchmark>=4",
             "peft>=0.10",
             "triton>=3.0",
-            "datasets>=2.14",
         ],
         "bench": [
             "pytest-benchmark>=4",

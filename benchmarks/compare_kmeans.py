@@ -34,7 +34,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 
 import kmeans_anchors as anchors
 import render_benchmarks
+from _machine import machine_description
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = render_benchmarks.RESULTS_DIR / "kmeans.json"
@@ -205,40 +205,6 @@ def _extrapolated_skip(cells: dict[tuple, dict], key: tuple, budget_s: float) ->
 
 # ----------------------------------------------------------------------------------------------
 # report
-
-
-def _version(*dists: str) -> str:
-    for dist in dists:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def machine_description(threads: int) -> str:
-    """CPU model, cores, OS and the versions of every library measured."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "no commit"
-    return (
-        f"{model}, {os.cpu_count()} logical cores ({threads} threads used); {platform.platform()}; "
-        f"Python {platform.python_version()}; cluster-kernels {_version('cluster-kernels')} (git {sha}), "
-        f"numpy {_version('numpy')}, scikit-learn {_version('scikit-learn')}, "
-        f"faiss {_version('faiss-cpu', 'faiss-gpu', 'faiss')}, "
-        f"k-means-constrained {_version('k-means-constrained')}, ortools {_version('ortools')}"
-    )
 
 
 def _fmt_s(t: float) -> str:
@@ -608,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         "title": "Capacity-constrained K-means on CPU: ours vs k-means-constrained, the CluSTER recipe, faiss, "
         "scikit-learn",
         "date": datetime.date.today().isoformat(),
-        "machine": machine_description(args.threads),
+        "machine": machine_description(
+            f"{args.threads} threads used",
+            ["numpy", "scikit-learn", ("faiss-cpu", "faiss-gpu", "faiss"), "k-means-constrained", "ortools"],
+        ),
         "command": shlex.join(["python", "benchmarks/compare_kmeans.py", *cmd_args]),
         "sections": build_sections(args, cells),
         "targets": build_targets(args, cells),

@@ -42,6 +42,7 @@ dispatchers :func:`capacity_kmeans` and :func:`assign_with_capacity`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,10 @@ def _check_matrix(x: Any, name: str, op: str) -> torch.Tensor:
                 f"{op}: {name} must be float32 or float64, got dtype {x.dtype}; convert it with "
                 f"{name}.astype(np.float32)."
             )
-        t = torch.from_numpy(x)
+        with warnings.catch_warnings():
+            # Read-only inputs (np.memmap of a feature store) are never written; no copy needed.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(x)
     elif isinstance(x, torch.Tensor):
         if x.dtype not in (torch.float32, torch.float64):
             raise TypeError(

@@ -1,10 +1,36 @@
 """clusterlm: cluster-aware balanced data selection for multi-GPU fine-tuning (CluSTER).
 
-Importing ``clusterlm`` does not import transformers; the featurizer loads it when used.
+    plan = clusterlm.select(model, dataset, world_size=4, ratio=0.31)   # features -> K-means -> picks
+    plan.save("plan/")                                                  # plan.json + plan.npz
+    sampler = clusterlm.PlanSampler(plan, rank)                         # per-rank DataLoader order
+    loss = clusterlm.weighted_loss(clusterlm.per_example_loss(logits, labels), weights)
+
+Importing ``clusterlm`` does not import transformers; the featurizer, models and the Hugging Face
+integration (``clusterlm.integrations.hf``) load it when used.
 """
 
+from clusterlm.data import SFTDataset, collate, fingerprint, load_data
 from clusterlm.features import LAYER_PRESETS, GradientFeaturizer
+from clusterlm.loss import per_example_loss, weighted_loss
+from clusterlm.plan import Plan, selection_weights
+from clusterlm.sampler import PlanSampler
+from clusterlm.select import select, select_from_features
 from clusterlm.store import FeatureStore
 
-__all__ = ["LAYER_PRESETS", "FeatureStore", "GradientFeaturizer"]
+__all__ = [
+    "LAYER_PRESETS",
+    "FeatureStore",
+    "GradientFeaturizer",
+    "Plan",
+    "PlanSampler",
+    "SFTDataset",
+    "collate",
+    "fingerprint",
+    "load_data",
+    "per_example_loss",
+    "select",
+    "select_from_features",
+    "selection_weights",
+    "weighted_loss",
+]
 __version__ = "0.1.0"

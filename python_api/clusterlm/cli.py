@@ -1,66 +1,187 @@
 """Command line: ``clusterlm <command>`` (also ``python -m clusterlm``).
 
 Commands:
-    demo    capacity-constrained K-means on a real data set shipped with scikit-learn (8x8 digit
-            images), K = 8 "GPUs": cluster sizes without caps, with the paper's 1.5 N/K cap and with
-            exact balance, side by side. The selection demo replaces it once ``select`` lands.
+    select  features -> capacity-constrained K-means -> balanced selection -> DIR/plan.{json,npz} and
+            DIR/report.png, with a summary table.
+    train   the reference DDP trainer on a plan (or a baseline: full, random:<ratio>); --nproc N spawns
+            the ranks through torch.distributed.run.
+    compare full data, random, cluster (default and paper presets), S2L, IFD and LESS through the same
+            trainer: selection seconds, training seconds, held-out loss (compare.json/.md/.png).
+    report  redraw DIR/report.png and print the summary of a saved plan.
+    demo    the whole method on the built-in data set (Python standard-library functions, a small
+            Llama model): select for 2 ranks at 31 %, then a short 2-process training run on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-
-def _load_demo_data() -> tuple[np.ndarray, str]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:  # scikit-learn is a test extra; fall back to a generated mixture
-        rng = np.random.default_rng(0)
-        comp = rng.choice(8, size=4000, p=rng.dirichlet(np.ones(8)))
-        centers = rng.standard_normal((8, 32)) * 4
-        return (centers[comp] + rng.standard_normal((4000, 32))).astype(np.float32), "Gaussian mixture (4000 x 32)"
-    digits = load_digits()
-    return digits.data.astype(np.float32), f"scikit-learn digits ({digits.data.shape[0]} x {digits.data.shape[1]})"
+DEMO_OUT = "runs/demo"
 
 
-def demo(args: argparse.Namespace) -> int:
-    from cluster_kernels import capacity_kmeans
+def _stage(step: str, text: str) -> float:
+    print(f"[{step}] {text}", flush=True)
+    return time.perf_counter()
 
-    x, name = _load_demo_data()
-    n, k = x.shape[0], args.world_size
-    print(f"data: {name}; K = {k} clusters (one per GPU)")
-    rows = []
-    settings = [
-        ("unconstrained", None, None),
-        ("cap 1.5 N/K (paper)", None, math.ceil(1.5 * n / k)),
-        ("exact balance", n // k, math.ceil(n / k)),
-    ]
-    for label, lo, hi in settings:
-        t0 = time.perf_counter()
-        res = capacity_kmeans(x, k, min_size=lo, max_size=hi, n_init=3, seed=args.seed)
-        secs = time.perf_counter() - t0
-        ok = (lo is None or res.sizes.min() >= lo) and (hi is None or res.sizes.max() <= hi)
-        rows.append((label, secs, res.inertia, res.sizes, ok))
-    base = rows[0][2]
-    print(f"{'setting':<22}{'seconds':>9}{'inertia':>14}{'vs free':>9}  {'sizes':<44}{'caps met':>9}")
-    for label, secs, inertia, sizes, ok in rows:
-        print(f"{label:<22}{secs:>9.3f}{inertia:>14.1f}{inertia / base - 1:>+9.2%}  {str(sizes.tolist()):<44}"
-              f"{'yes' if ok else 'NO':>9}")
-    return 0 if all(r[4] for r in rows) else 1
+
+def _size_arg(value: str) -> int | str | None:
+    """Cluster-size bounds: an int, 'budget', '<f>x' or 'none'."""
+    if value.lower() == "none":
+        return None
+    if value.isdigit():
+        return int(value)
+    return value
+
+
+def _dim_arg(value: str) -> int | tuple[int, int]:
+    if "x" in value:
+        k_o, k_i = value.split("x", 1)
+        return int(k_o), int(k_i)
+    return int(value)
+
+
+def run_select(args: argparse.Namespace) -> Any:
+    """Load model and data, select, save the plan and its report; returns the plan."""
+    from clusterlm.data import load_data
+    from clusterlm.models import load_model
+    from clusterlm.report import draw_report, save_report_data
+    from clusterlm.select import select
+
+    out = Path(args.out)
+    t0 = _stage("1/4", f"model {args.model}")
+    model, tokenizer, model_id = load_model(args.model)
+    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=not args.no_progress)
+    truncated = f", {data.n_truncated} truncated to {args.max_length} tokens" if data.n_truncated else ""
+    print(f"      data {args.data}: {len(data)} examples ({data.format}), {int(data.lengths.sum())} tokens{truncated} "
+          f"[{time.perf_counter() - t0:.1f} s]")
+    _stage("2/4", f"gradient features ({args.features or 'preset default'}) + K-means, world size {args.world_size}")
+    plan, feats = select(
+        model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget, preset=args.preset,
+        features=args.features, dim=args.dim, seed=args.seed, max_cluster_size=args.max_cluster_size,
+        min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
+        token_balance=None if args.token_balance is None else args.token_balance == "on",
+        clusters_per_rank=args.clusters_per_rank, feature_store=args.feature_store, progress=not args.no_progress,
+        batch_tokens=args.batch_tokens, model_id=model_id, return_features=True,
+    )
+    plan.config["data"] = {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
+                           "format": data.format}
+    t0 = _stage("3/4", f"writing {out}/plan.json, plan.npz")
+    plan.save(out)
+    save_report_data(out, feats, seed=args.seed)
+    _stage("4/4", f"drawing {out}/report.png")
+    draw_report(out, plan)
+    print()
+    print(plan.summary())
+    print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}")
+    return plan
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    run_select(args)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from clusterlm.plan import Plan
+    from clusterlm.report import draw_report
+
+    plan = Plan.load(args.dir)
+    path = draw_report(args.dir, plan)
+    print(plan.summary())
+    print(f"\nreport: {path}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from clusterlm.train import cmd_train as train_command
+
+    return train_command(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clusterlm.demo import demo_data
+    from clusterlm.train import train_demo
+
+    t0 = time.perf_counter()
+    demo = demo_data()
+    print(f"built-in data set: {demo.train} (held-out: {demo.heldout})")
+    out = Path(args.out)
+    sel = build_parser().parse_args(
+        ["select", "--model", "tiny-llama", "--data", str(demo.train), "--world-size", str(args.world_size),
+         "--ratio", str(args.ratio), "--out", str(out / "plan"), "--seed", str(args.seed)]
+        + (["--no-progress"] if args.no_progress else [])
+    )
+    run_select(sel)
+    t_select = time.perf_counter() - t0
+    if args.train_steps > 0:
+        print(f"\n[train] {args.world_size} CPU ranks (gloo), {args.train_steps} steps on the plan", flush=True)
+        summary = train_demo(out / "plan", out / "train", nproc=args.world_size, max_steps=args.train_steps,
+                             seed=args.seed, progress=not args.no_progress)
+        before, after = summary.get("initial_eval_loss"), summary.get("final_eval_loss")
+        if before is not None and after is not None:
+            print(f"held-out answer-token loss: {before:.3f} before -> {after:.3f} after training")
+        print(f"metrics: {out / 'train' / 'metrics.jsonl'}\ncurve:   {out / 'train' / 'training.png'}")
+    print(f"plan:    {out / 'plan' / 'plan.json'}\nreport:  {out / 'plan' / 'report.png'}")
+    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s (selection {t_select:.1f} s)")
+    return 0
+
+
+def _add_select_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="'tiny-llama' (built-in demo model) or a local HF model directory")
+    p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with prompt/response, "
+                   "instruction/input/output or messages columns")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) that will train")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--ratio", type=float, help="fraction of the data to keep, e.g. 0.31")
+    budget.add_argument("--budget", type=int, help="number of examples to keep")
+    p.add_argument("--out", required=True, help="directory for plan.json, plan.npz and report.png")
+    p.add_argument("--preset", choices=("default", "paper"), default="default")
+    p.add_argument("--features", default=None, help="lm_head | paper | all-linear | lora (default: the preset's)")
+    p.add_argument("--dim", type=_dim_arg, default=None, help="projected feature size: 1024 or 32x32 (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-cluster-size", type=_size_arg, default="1.5x", help="int, '<f>x' of N/C, or none")
+    p.add_argument("--min-cluster-size", type=_size_arg, default="budget", help="int, 'budget', or none")
+    p.add_argument("--within-cluster", choices=("farthest", "nearest", "random", "kcenter"), default="farthest")
+    p.add_argument("--allocation", choices=("cluster-per-rank", "stratified"), default="cluster-per-rank")
+    p.add_argument("--token-balance", choices=("on", "off"), default=None, help="default: on (off for --preset paper)")
+    p.add_argument("--clusters-per-rank", type=int, default=1)
+    p.add_argument("--feature-store", default=None, help="directory to keep features in (resumable)")
+    p.add_argument("--max-length", type=int, default=1024, help="truncate examples to this many tokens")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per featurization forward")
+    p.add_argument("--no-progress", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterlm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="capacity-constrained K-means on a built-in real data set")
-    p_demo.add_argument("--world-size", type=int, default=8, help="number of clusters / GPUs (default 8)")
+    p_sel = sub.add_parser("select", help="select per-rank training examples and write a plan")
+    _add_select_args(p_sel)
+    p_sel.set_defaults(func=cmd_select)
+    p_train = sub.add_parser("train", help="reference DDP trainer on a plan (torchrun; gloo on CPU, nccl on GPU)")
+    from clusterlm.train import add_train_args
+
+    add_train_args(p_train)
+    p_train.set_defaults(func=cmd_train)
+    p_cmp = sub.add_parser("compare", help="all selection methods through the same trainer: time and held-out loss")
+    from clusterlm.compare import add_compare_args, cmd_compare
+
+    add_compare_args(p_cmp)
+    p_cmp.set_defaults(func=cmd_compare)
+    p_rep = sub.add_parser("report", help="redraw report.png and print the summary of a saved plan")
+    p_rep.add_argument("dir", help="plan directory")
+    p_rep.set_defaults(func=cmd_report)
+    p_demo = sub.add_parser("demo", help="the whole method on the built-in standard-library code data set")
+    p_demo.add_argument("--world-size", type=int, default=2)
+    p_demo.add_argument("--ratio", type=float, default=0.31)
     p_demo.add_argument("--seed", type=int, default=0)
-    p_demo.set_defaults(func=demo)
+    p_demo.add_argument("--out", default=DEMO_OUT)
+    p_demo.add_argument("--train-steps", type=int, default=40, help="optimizer steps of the demo training (0: skip)")
+    p_demo.add_argument("--no-progress", action="store_true")
+    p_demo.set_defaults(func=cmd_demo)
     return parser
 
 

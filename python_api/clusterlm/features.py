@@ -48,6 +48,7 @@ from torch import nn
 from cluster_kernels.lm_head_features import IGNORE_INDEX, lm_head_features
 from cluster_kernels.project_linear_grads import project_linear_grads
 from cluster_kernels.projection import PROJECTION_KINDS, random_projection
+from clusterlm.data import fingerprint
 from clusterlm.store import FeatureStore
 
 __all__ = ["LAYER_PRESETS", "GradientFeaturizer"]
@@ -161,12 +162,7 @@ def _known_length(data: Any) -> int | None:
 
 
 def _data_sha256(examples: list[tuple[np.ndarray, np.ndarray]]) -> str:
-    digest = hashlib.sha256()
-    for ids, labels in examples:
-        digest.update(np.int64(len(ids)).tobytes())
-        digest.update(ids.tobytes())
-        digest.update(labels.tobytes())
-    return digest.hexdigest()
+    return fingerprint(examples)["sha256"]
 
 
 class GradientFeaturizer:

@@ -16,10 +16,19 @@ shard into a temporary file and renamed; shard files are removed only after the 
 
 Reads: ``features()`` returns a read-only ``np.memmap`` (nothing loaded until indexed), and
 ``iter_blocks`` streams fixed-size row blocks, so N may exceed memory.
+
+Several writers: processes (ranks) may write disjoint shards of one store at the same time. Every
+manifest update re-reads the manifest under an exclusive ``flock`` on the store directory, so no
+writer's record is lost; a temporary file is locked by its writer until it is renamed into place, and
+the clean-up on ``begin`` removes only temporary files nobody holds (those of killed writers). A
+restarted writer therefore never disturbs one still running. ``reload()`` re-reads the manifest to see
+what the others have finished. (Without ``fcntl``, or where the file system refuses ``flock``, there is
+no locking and one writer at a time is assumed.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -28,6 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
 
 __all__ = ["FeatureStore"]
 
@@ -47,6 +61,44 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _try_flock(fd: int, blocking: bool) -> bool:
+    """Exclusive flock on ``fd``; False when it is held elsewhere (non-blocking) or locking is unavailable."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # pragma: no cover - a file system without flock: no locking
+        return False
+
+
+@contextlib.contextmanager
+def _dir_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock on the store directory for a manifest read-modify-write (released on close)."""
+    if fcntl is None:  # pragma: no cover - not POSIX: one writer at a time
+        yield
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _try_flock(fd, blocking=True)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _locked_tmp(directory: Path, name: str) -> tuple[int, str]:
+    """A new temporary file for ``name``, flock-ed by this process until its fd is closed.
+
+    Created under the directory lock, so a clean-up (which holds that lock) never sees it unlocked.
+    """
+    with _dir_lock(directory):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=name + ".", suffix=".tmp")
+        _try_flock(fd, blocking=False)
+    return fd, tmp
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -97,6 +149,11 @@ class FeatureStore:
     def exists(self) -> bool:
         """True when the directory holds a manifest."""
         return self.manifest_path.is_file()
+
+    def reload(self) -> FeatureStore:
+        """Forget the cached manifest, so the next read sees what other processes have written."""
+        self._manifest = None
+        return self
 
     def _read_manifest(self) -> dict[str, Any]:
         if self._manifest is None:
@@ -158,8 +215,13 @@ class FeatureStore:
             ValueError: the existing store has another dim, shard size or configuration (names the field).
         """
         config = json.loads(json.dumps(config))  # normalise tuples etc. to what the manifest stores
+        self.path.mkdir(parents=True, exist_ok=True)
+        with _dir_lock(self.path):
+            self.reload()
+            return self._begin_locked(dim, config)
+
+    def _begin_locked(self, dim: int, config: dict[str, Any]) -> set[int]:
         if not self.exists:
-            self.path.mkdir(parents=True, exist_ok=True)
             self._write_manifest(
                 {
                     "format": FORMAT,
@@ -194,9 +256,21 @@ class FeatureStore:
         return {int(i) for i in manifest["shards"]}
 
     def _cleanup(self, manifest: dict[str, Any]) -> None:
-        """Remove what a killed run may have left: temporary files, and shards of a completed store."""
+        """Remove what a killed run may have left: temporary files nobody holds, shards of a completed store.
+
+        Runs under the directory lock.
+        """
         for p in self.path.glob("*.tmp"):
-            p.unlink(missing_ok=True)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                # A live writer holds its temporary file's lock; without flock every one is stale.
+                if fcntl is None or _try_flock(fd, blocking=False):
+                    p.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
         if manifest.get("complete"):
             for p in self.path.glob("shard_*.npy"):
                 p.unlink(missing_ok=True)
@@ -230,22 +304,26 @@ class FeatureStore:
         if not np.isfinite(features).all():
             raise ValueError(f"FeatureStore: shard {index} has non-finite values; refusing to store them.")
         target = self._shard_path(index)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=target.name + ".", suffix=".tmp")
+        fd, tmp = _locked_tmp(self.path, target.name)
         try:
             with os.fdopen(fd, "wb") as f:
                 np.save(f, features)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
+                os.replace(tmp, target)  # while the temporary file is still locked
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
         _fsync_dir(self.path)
-        manifest = dict(manifest)
-        manifest["shards"] = dict(manifest["shards"])
-        manifest["shards"][str(index)] = {"file": target.name, "rows": len(features), "data_sha256": data_sha256}
-        self._write_manifest(manifest)
+        with _dir_lock(self.path):
+            manifest = self.reload()._read_manifest()  # other writers may have added shards meanwhile
+            if manifest.get("complete"):
+                raise ValueError(f"FeatureStore: {self.path} was completed meanwhile; it takes no more shards.")
+            manifest = dict(manifest)
+            manifest["shards"] = dict(manifest["shards"])
+            manifest["shards"][str(index)] = {"file": target.name, "rows": len(features), "data_sha256": data_sha256}
+            self._write_manifest(manifest)
 
     def read_shard(self, index: int) -> np.ndarray:
         """Shard ``index`` as a read-only memmap (before ``finalize``), or its rows of ``features.npy``."""
@@ -263,7 +341,7 @@ class FeatureStore:
         Raises:
             ValueError: shards missing or of the wrong size for ``n_examples``.
         """
-        manifest = self._read_manifest()
+        manifest = self.reload()._read_manifest()  # shards written by other processes count too
         if manifest.get("complete"):
             if manifest["n_examples"] != n_examples:
                 raise ValueError(
@@ -286,8 +364,7 @@ class FeatureStore:
                 raise ValueError(f"FeatureStore: shard {i} has {shards[str(i)]['rows']} rows, expected {want}.")
         dim = manifest["dim"]
         target = self.path / _FEATURES
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_FEATURES + ".", suffix=".tmp")
-        os.close(fd)
+        fd, tmp = _locked_tmp(self.path, _FEATURES)
         try:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n_examples, dim))
             for i in range(n_shards):
@@ -295,17 +372,19 @@ class FeatureStore:
                 out[start : start + shards[str(i)]["rows"]] = np.load(self._shard_path(i), mmap_mode="r")
             out.flush()
             del out
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            os.fsync(fd)
+            os.replace(tmp, target)  # while the temporary file is still locked
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        finally:
+            os.close(fd)
         _fsync_dir(self.path)
-        manifest = dict(manifest, complete=True, n_examples=int(n_examples))
-        self._write_manifest(manifest)
-        self._cleanup(manifest)
+        with _dir_lock(self.path):
+            manifest = dict(self.reload()._read_manifest(), complete=True, n_examples=int(n_examples))
+            self._write_manifest(manifest)
+            self._cleanup(manifest)
         return self.features()
 
     # ---- reading ----------------------------------------------------------------------------------

@@ -1,12 +1,10 @@
 """GradientFeaturizer against an independent oracle: batch-size-1 autograd, projected in float64."""
 
-import clusterlm.features as features_mod
 import numpy as np
 import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from clusterlm.features import GradientFeaturizer
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -17,7 +15,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import clusterlm.features as features_mod
 from cluster_kernels.projection import random_projection
+from clusterlm.features import GradientFeaturizer
 
 VOCAB = 61
 

@@ -10,13 +10,14 @@ import textwrap
 import time
 from pathlib import Path
 
-import clusterlm.store as store_mod
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import clusterlm.store as store_mod
 from clusterlm.features import GradientFeaturizer
 from clusterlm.store import FeatureStore
-from transformers import LlamaConfig, LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
 

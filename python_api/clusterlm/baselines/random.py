@@ -1,0 +1,197 @@
+"""Random and full-data baselines: the plans a CluSTER plan is compared against.
+
+- :func:`full_plan`: every example (the full-data run). DDP steps in lock-step, so every rank needs the
+  same count; when N is not a multiple of the world size, ``N mod K`` examples (at most K - 1) are left
+  out, chosen uniformly at random by ``seed``, and the plan says which in ``stats["left_out"]``.
+- :func:`random_plan`: a uniform sample of the budget (DESIGN.md §6, "random"). The budget is rounded
+  down to a multiple of the world size; ``stats["rounding"]`` states it when that changes the count.
+
+Both give every selected example weight 1 (:func:`clusterlm.plan.selection_weights` with a single
+pseudo-cluster), so ``mean_b(w_b * loss_b)`` is the plain mean loss and DDP's gradient average is the
+mean gradient of the sample. There is no clustering: ``cluster_labels`` are -1, ``cluster_sizes`` is
+empty and ``distances`` are nan.
+
+Allocation to ranks. With ``token_balance=True`` (default) the sample is dealt to ranks in a snake
+order of decreasing length (:func:`clusterlm.allocation.allocate` with ``"stratified"``) and visited in
+length-quantile-aligned order (:func:`clusterlm.allocation.visit_order`), exactly like a CluSTER plan,
+so a comparison differs only in *which* examples are trained on, not in per-step token balance. With
+``token_balance=False`` the sample is split like a ``DistributedSampler`` would: one random
+permutation cut into K contiguous parts, each visited in its own random order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from clusterlm.allocation import allocate, visit_order
+from clusterlm.plan import Plan, selection_weights
+from clusterlm.select import _balance_stats, _fingerprint_of, _lengths_of, resolve_budget
+
+__all__ = ["full_plan", "random_plan"]
+
+# Mixed into the seed so the baselines' draws are not the same stream as other seed-0 generators.
+_STREAM_RANDOM = 0x7A4D0
+_STREAM_FULL = 0xF011
+
+
+def _check_world_size(world_size: Any, n: int, who: str) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"{who}: world_size must be a positive int (number of ranks), got {world_size!r}.")
+    if n < world_size:
+        raise ValueError(
+            f"{who}: the data set has {n} examples, fewer than world_size={world_size}; every rank needs at least one. "
+            "Use fewer ranks or more data."
+        )
+    return int(world_size)
+
+
+def _check_seed(seed: Any, who: str) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"{who}: seed must be a non-negative int, got {seed!r}.")
+    return int(seed)
+
+
+def _plan_from_selection(
+    dataset: Any,
+    selected: np.ndarray,
+    world_size: int,
+    *,
+    seed: int,
+    token_balance: bool,
+    config: dict[str, Any],
+    stats: dict[str, Any],
+    t0: float,
+    model_id: str,
+) -> Plan:
+    """Allocate ``selected`` (sorted, a multiple of ``world_size`` long) to ranks and build the Plan."""
+    lengths = _lengths_of(dataset)
+    n = len(lengths)
+    assert len(selected) % world_size == 0 and len(selected) > 0
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_RANDOM, 1]))
+    if token_balance:
+        rank_lists = allocate([selected], world_size, lengths, allocation="stratified")
+    else:
+        rank_lists = list(rng.permutation(selected).reshape(world_size, -1))
+    rank_lists = visit_order(rank_lists, lengths, token_balance=token_balance, seed=seed)
+    weights = selection_weights(np.zeros(n, dtype=np.int64), selected, 1)
+    stats = {**stats, "selected": int(len(selected)), "token_balance": _balance_stats(rank_lists, lengths)}
+    config = {**config, "world_size": world_size, "seed": seed, "token_balance": bool(token_balance),
+              "allocation": "stratified" if token_balance else "random-split"}
+    return Plan(
+        world_size=world_size,
+        rank_indices=rank_lists,
+        weights=weights,
+        cluster_labels=np.full(n, -1, dtype=np.int64),
+        distances=np.full(n, np.nan, dtype=np.float64),
+        cluster_sizes=np.zeros(0, dtype=np.int64),
+        lengths=lengths,
+        fingerprint=_fingerprint_of(dataset),
+        model_id=model_id,
+        config=config,
+        timings={"total": time.perf_counter() - t0},
+        stats=stats,
+    )
+
+
+def full_plan(dataset: Any, world_size: int, *, seed: int = 0, token_balance: bool = True, model_id: str = "") -> Plan:
+    """A plan that trains on every example (the full-data baseline).
+
+    Args:
+        dataset: a :class:`clusterlm.data.SFTDataset` or a sequence of example dicts (``input_ids``,
+            ``labels``); its lengths and fingerprint go into the plan.
+        world_size: number of ranks K.
+        seed: chooses the ``N mod K`` examples left out (so every rank gets ``N // K``) and the visit order.
+        token_balance: deal by length and align length quantiles across ranks (see the module docstring).
+        model_id: recorded in the plan (no model is used).
+
+    Returns:
+        A :class:`Plan` with ``N - N mod K`` examples of weight 1; ``stats["left_out"]`` lists the left-out
+        indices (empty when K divides N).
+
+    Raises:
+        ValueError: world_size not a positive int or larger than N; a negative seed.
+    """
+    t0 = time.perf_counter()
+    n = len(dataset)
+    world_size = _check_world_size(world_size, n, "full_plan")
+    seed = _check_seed(seed, "full_plan")
+    n_left = n % world_size
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_FULL]))
+    left_out = np.sort(rng.choice(n, size=n_left, replace=False)).astype(np.int64) if n_left else np.zeros(0, np.int64)
+    keep = np.ones(n, dtype=bool)
+    keep[left_out] = False
+    stats: dict[str, Any] = {
+        "requested": n,
+        "left_out": {
+            "count": int(n_left),
+            "indices": left_out.tolist(),
+            "reason": f"N={n} is not a multiple of world_size={world_size}: every rank trains on {n // world_size} "
+            f"examples, {n_left} left out at random (seed {seed})" if n_left else "none: world_size divides N",
+        },
+    }
+    if n_left:
+        stats["rounding"] = stats["left_out"]["reason"]
+    return _plan_from_selection(
+        dataset, np.flatnonzero(keep).astype(np.int64), world_size, seed=seed, token_balance=token_balance,
+        config={"method": "full", "ratio": 1.0, "budget": None}, stats=stats, t0=t0, model_id=model_id,
+    )
+
+
+def random_plan(
+    dataset: Any,
+    world_size: int,
+    ratio: float | None = None,
+    budget: int | None = None,
+    *,
+    seed: int = 0,
+    token_balance: bool = True,
+    model_id: str = "",
+) -> Plan:
+    """A uniform random sample of the budget (the random baseline), allocated to ranks.
+
+    Args:
+        dataset: a :class:`clusterlm.data.SFTDataset` or a sequence of example dicts.
+        world_size: number of ranks K.
+        ratio / budget: fraction in (0, 1] or number of examples to keep (exactly one). The count is
+            rounded down to a multiple of K (stated in ``stats["rounding"]``).
+        seed: seed of the sample and of the visit order.
+        token_balance: deal by length and align length quantiles across ranks (see the module docstring).
+        model_id: recorded in the plan (no model is used).
+
+    Returns:
+        A :class:`Plan` whose selected examples all have weight 1.
+
+    Raises:
+        ValueError: both or neither of ratio/budget, a ratio outside (0, 1], a budget outside [1, N], a
+            budget below the world size, world_size not a positive int or larger than N, a negative seed.
+    """
+    t0 = time.perf_counter()
+    n = len(dataset)
+    world_size = _check_world_size(world_size, n, "random_plan")
+    seed = _check_seed(seed, "random_plan")
+    try:
+        requested = resolve_budget(n, ratio, budget)
+    except ValueError as e:  # same rules as select(); name this function in the message
+        raise ValueError(str(e).replace("select:", "random_plan:", 1)) from None
+    count = requested - requested % world_size
+    if count == 0:
+        raise ValueError(
+            f"random_plan: a budget of {requested} examples gives less than one example to each of {world_size} "
+            f"ranks; raise ratio/budget to at least {world_size}."
+        )
+    stats: dict[str, Any] = {"requested": int(requested)}
+    if count != requested:
+        stats["rounding"] = (
+            f"{requested} requested -> {count} selected (the total is a multiple of world_size = {world_size})"
+        )
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_RANDOM]))
+    selected = np.sort(rng.choice(n, size=count, replace=False)).astype(np.int64)
+    return _plan_from_selection(
+        dataset, selected, world_size, seed=seed, token_balance=token_balance,
+        config={"method": "random", "ratio": None if ratio is None else float(ratio),
+                "budget": None if budget is None else int(budget)},
+        stats=stats, t0=t0, model_id=model_id,
+    )

@@ -1,0 +1,212 @@
+"""S2L baseline: cluster the loss trajectories of a small proxy model, sample clusters evenly.
+
+Source: Yang, Mishra, Chiang, Mirzasoleiman, "SmallToLarge (S2L): Scalable Data Selection for
+Fine-tuning Large Language Models by Summarizing Training Trajectories of Small Models", NeurIPS 2024
+(arXiv:2403.07384), Algorithm 1. Small-scale re-implementation, step by step:
+
+1. *Train a small proxy model on the full data, saving checkpoints* (Alg. 1 line 1; the paper trains
+   Pythia-70M for the Pythia/Llama targets). Ours: the same family with fewer layers — the target
+   model's config with ``num_hidden_layers = proxy_layers`` (default half), initialised from the
+   target's embeddings, first layers, final norm and output layer (so a pre-trained target gives a
+   pre-trained proxy, as the paper's pre-trained Pythia-70M), trained with the trainer's optimizer
+   (:func:`clusterlm.baselines._training.train_loop`) for ``proxy_epochs`` epochs; ``n_checkpoints``
+   evenly spaced checkpoints.
+2. *Record the per-example loss at every checkpoint* (Alg. 1 line 2: the loss trajectory
+   ``L_i = (l_i^1, ..., l_i^T)``): mean answer-token loss, batched by length
+   (:func:`clusterlm.baselines._training.example_losses`).
+3. *K-means on the trajectories* (line 3) with ``k = n_clusters`` (100, the paper's value; at most N):
+   :func:`cluster_kernels.capacity_kmeans` without size bounds is plain K-means (k-means++, Lloyd).
+4. *Balanced sampling, smallest cluster first* (lines 4-10): with the clusters sorted by size ascending,
+   cluster ``c`` gets ``R_c = remaining_budget // remaining_clusters`` examples drawn uniformly at random
+   (all of it when it is smaller). Clusters of size <= ``skip_size`` (2) are skipped (outlier
+   trajectories); a shortfall left by small clusters and rounding is filled uniformly at random from the
+   examples not yet taken.
+5. The selection becomes a :class:`Plan` (weight 1 each, stratified allocation to ranks) so the same
+   trainer trains it.
+
+Selection time includes everything: the proxy's construction and training, the loss forwards at every
+checkpoint, K-means and sampling (``plan.timings``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from clusterlm.baselines._training import budget_count, example_losses, make_plan, stage, train_loop
+from clusterlm.plan import Plan
+
+__all__ = ["balanced_cluster_sample", "build_proxy", "s2l_plan"]
+
+_STREAM_S2L = 0x52C1
+
+
+def build_proxy(model: torch.nn.Module, n_layers: int | None = None) -> torch.nn.Module:
+    """A copy of ``model`` with only its first ``n_layers`` decoder layers (default half, at least 1).
+
+    Works for Hugging Face decoder-only models whose config has ``num_hidden_layers`` and whose layer
+    parameters are named ``...layers.<i>....`` (Llama, Mistral, Qwen, GPT-NeoX style). Parameters of the
+    kept layers, embeddings, final norm and output layer are copied from ``model``.
+
+    Raises:
+        ValueError: ``n_layers`` outside ``[1, num_hidden_layers]``; a config without ``num_hidden_layers``.
+    """
+    config = copy.deepcopy(model.config)
+    total = getattr(config, "num_hidden_layers", None)
+    if total is None:
+        raise ValueError(f"s2l: the model config ({type(config).__name__}) has no num_hidden_layers; pass a proxy.")
+    n_layers = max(1, total // 2) if n_layers is None else int(n_layers)
+    if not 1 <= n_layers <= total:
+        raise ValueError(f"s2l: proxy_layers must be in [1, {total}] (the model's layers), got {n_layers}.")
+    config.num_hidden_layers = n_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:n_layers]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        proxy = type(model)(config)
+    state = model.state_dict()
+    own = proxy.state_dict()
+    missing = [k for k in own if k not in state or state[k].shape != own[k].shape]
+    assert not missing, f"proxy parameters without a source in the model: {missing[:4]}"
+    proxy.load_state_dict({k: state[k] for k in own})
+    device = next(model.parameters()).device
+    return proxy.to(device=device, dtype=next(model.parameters()).dtype)
+
+
+def balanced_cluster_sample(
+    labels: np.ndarray, count: int, *, seed: int = 0, skip_size: int = 2
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """S2L's sampling (Alg. 1 lines 4-10): clusters smallest first, ``remaining // clusters_left`` each.
+
+    Args:
+        labels: (N,) int64 cluster of every example (any non-negative ids).
+        count: examples to select, ``<= N``.
+        seed: seed of the random draws.
+        skip_size: clusters of at most this size are skipped.
+
+    Returns:
+        ``(selected, stats)``: sorted unique int64 indices (exactly ``count``) and
+        ``{"per_cluster": [[cluster, size, taken], ...] in visit order, "skipped_clusters", "filled"}``.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_S2L]))
+    ids, sizes = np.unique(labels, return_counts=True)
+    order = np.lexsort((ids, sizes))  # size ascending, ties by cluster id
+    visit = [(int(ids[j]), int(sizes[j])) for j in order if sizes[j] > skip_size]
+    skipped = int(len(ids) - len(visit))
+    taken: list[np.ndarray] = []
+    per_cluster = []
+    remaining = count
+    for pos, (c, size) in enumerate(visit):
+        share = remaining // (len(visit) - pos)
+        members = np.flatnonzero(labels == c)
+        take = members if size <= share else rng.choice(members, size=share, replace=False)
+        taken.append(np.asarray(take, dtype=np.int64))
+        per_cluster.append([c, size, len(take)])
+        remaining -= len(take)
+    selected = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+    filled = 0
+    if remaining > 0:  # small clusters and rounding leave some budget: fill it uniformly at random
+        rest = np.setdiff1d(np.arange(len(labels), dtype=np.int64), selected)
+        extra = rng.choice(rest, size=remaining, replace=False)
+        selected = np.concatenate([selected, extra])
+        filled = int(remaining)
+    selected = np.sort(selected)
+    assert len(selected) == count and len(np.unique(selected)) == count
+    return selected, {"per_cluster": per_cluster, "skipped_clusters": skipped, "filled": filled}
+
+
+def s2l_plan(
+    model: torch.nn.Module,
+    dataset: Any,
+    world_size: int,
+    ratio: float | None = None,
+    budget: int | None = None,
+    *,
+    seed: int = 0,
+    proxy_layers: int | None = None,
+    proxy_epochs: int = 1,
+    n_checkpoints: int = 4,
+    n_clusters: int = 100,
+    skip_size: int = 2,
+    lr: float = 1e-3,
+    micro_batch_size: int = 8,
+    batch_tokens: int = 8192,
+    autocast_dtype: torch.dtype | None = None,
+    token_balance: bool = True,
+    model_id: str = "",
+    trajectories: np.ndarray | None = None,
+) -> Plan:
+    """The S2L selection (module docstring), as a plan.
+
+    Args:
+        model: the target model (Hugging Face causal LM); the proxy is derived from it, it is not changed.
+        dataset: tokenised examples (:class:`clusterlm.data.SFTDataset` or example dicts).
+        world_size: ranks K.
+        ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
+        seed: seed of proxy training order, K-means and sampling.
+        proxy_layers: decoder layers of the proxy (default half of the model's).
+        proxy_epochs: proxy training epochs over the full data.
+        n_checkpoints: evenly spaced checkpoints (trajectory length T).
+        n_clusters: K-means clusters (S2L: 100; clamped to N).
+        skip_size: clusters of at most this size are skipped.
+        lr / micro_batch_size: proxy training.
+        batch_tokens: padded tokens per loss forward.
+        autocast_dtype: e.g. ``torch.bfloat16`` on GPU.
+        token_balance: the random baseline's allocation option.
+        model_id: recorded in the plan.
+        trajectories: (N, T) precomputed loss trajectories (skips steps 1-2; for tests and reuse).
+
+    Returns:
+        The :class:`Plan`; ``config["method"] == "s2l"``, ``timings`` with ``proxy_train``, ``losses``,
+        ``kmeans``, ``sample`` and ``selection`` (the total).
+
+    Raises:
+        ValueError: bad budget / world size / proxy_layers, or ``trajectories`` of the wrong shape.
+    """
+    from cluster_kernels import capacity_kmeans
+
+    t0 = time.perf_counter()
+    n = len(dataset)
+    count, stats = budget_count(n, world_size, ratio, budget, "s2l_plan")
+    timings: dict[str, float] = {}
+    if trajectories is None:
+        with stage(timings, "proxy_build"):
+            proxy = build_proxy(model, proxy_layers)
+        cols: list[np.ndarray] = []
+        steps_total = proxy_epochs * -(-n // micro_batch_size)
+        marks = sorted({max(1, round(steps_total * (j + 1) / n_checkpoints)) for j in range(n_checkpoints)})
+
+        def record(step: int, mean_lr: float, optimizer: Any) -> None:
+            with stage(timings, "losses"):
+                cols.append(example_losses(proxy, dataset, batch_tokens=batch_tokens, autocast_dtype=autocast_dtype))
+
+        t_train = time.perf_counter()
+        train_loop(proxy, dataset, np.arange(n), epochs=proxy_epochs, lr=lr, micro_batch_size=micro_batch_size,
+                   seed=seed, checkpoint_steps=marks, on_checkpoint=record, autocast_dtype=autocast_dtype)
+        timings["proxy_train"] = time.perf_counter() - t_train - timings.get("losses", 0.0)
+        trajectories = np.stack(cols, axis=1)
+        del proxy
+    traj = np.asarray(trajectories, dtype=np.float64)
+    if traj.ndim != 2 or traj.shape[0] != n:
+        raise ValueError(f"s2l_plan: trajectories must have shape (N={n}, T), got {traj.shape}.")
+    k = min(int(n_clusters), n)
+    with stage(timings, "kmeans"):
+        result = capacity_kmeans(np.ascontiguousarray(traj), k, seed=seed, n_init=3)
+    labels = np.asarray(result.labels, dtype=np.int64)
+    with stage(timings, "sample"):
+        selected, sample_stats = balanced_cluster_sample(labels, count, seed=seed, skip_size=skip_size)
+    stats.update(sample_stats)
+    stats["trajectory_length"] = int(traj.shape[1])
+    config = {"method": "s2l", "ratio": None if ratio is None else float(ratio),
+              "budget": None if budget is None else int(budget), "n_clusters": k, "skip_size": int(skip_size),
+              "proxy_layers": proxy_layers, "proxy_epochs": int(proxy_epochs), "n_checkpoints": int(n_checkpoints),
+              "lr": float(lr), "micro_batch_size": int(micro_batch_size),
+              "source": "Yang et al., SmallToLarge (S2L), NeurIPS 2024, Algorithm 1"}
+    return make_plan(dataset, selected, world_size, seed=seed, config=config, stats=stats, timings=timings, t0=t0,
+                     model_id=model_id, token_balance=token_balance)
+

@@ -1,0 +1,410 @@
+"""``clusterlm compare``: every selection method through the same trainer and evaluation, side by side.
+
+Run::
+
+    clusterlm compare --model tiny-llama-pretrained --ratio 0.31 --world-size 2 --seeds 3 --out runs/compare
+    clusterlm compare --data train.jsonl --eval-data heldout.jsonl --model /models/llama --methods random,cluster
+
+Methods (``--methods``, comma-separated; default all):
+
+- ``full``: all data (:func:`clusterlm.baselines.full_plan`);
+- ``random``: uniform sample at the budget (:func:`clusterlm.baselines.random_plan`);
+- ``cluster``: CluSTER, the ``default`` preset (:func:`clusterlm.select.select`);
+- ``cluster-paper``: CluSTER, the ``paper`` preset (the authors' algorithm);
+- ``s2l`` / ``ifd`` / ``less``: :mod:`clusterlm.baselines.s2l`, :mod:`.ifd`, :mod:`.less`.
+
+For every ``(method, seed)``: the selection runs in this process on the loaded model and is timed
+(wall clock of the selection call: everything a method needs — features, forwards, proxy training,
+LoRA warm-up, clustering; model and data loading, common to all methods, are not counted); its plan
+is saved to ``OUT/runs/<method>-s<seed>/plan`` and trained by the reference trainer
+(:func:`clusterlm.train.launch`, ``--nproc`` = world size) with identical hyper-parameters, seed and
+held-out data for every method; training seconds = the trainer's ``train_time_s`` (the sum over steps
+of the slowest rank's step time: training proper, without model loading and evaluation); total =
+selection + training. Held-out loss = the trainer's final token-weighted answer loss on the
+evaluation data (default: the demo held-out split minus the last ``--n-validation`` examples, which
+LESS uses as its validation set, so no method is evaluated on examples it saw).
+
+Selection runs with ``world_size x --threads`` torch threads on CPU: the CPU budget the training ranks
+have together.
+
+Resumable: each finished ``(method, seed)`` is appended to ``OUT/compare_state.jsonl`` with a key of the
+settings; a rerun with the same settings skips those and runs the rest (a unit killed mid-way is
+redone from its start). Outputs: ``compare.json`` (records and per-method mean/std), ``compare.md``
+(the table) and ``compare.png`` (time bars and held-out loss with std error bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["METHODS", "add_compare_args", "cmd_compare", "run_compare", "summarize"]
+
+METHODS = ("full", "random", "cluster", "cluster-paper", "s2l", "ifd", "less")
+STATE = "compare_state.jsonl"
+
+
+def _methods_arg(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def _seeds_arg(value: str) -> list[int]:
+    """``3`` -> seeds 0, 1, 2; ``0,5,7`` -> those seeds."""
+    try:
+        if "," in value:
+            seeds = [int(v) for v in value.split(",") if v.strip()]
+        else:
+            seeds = list(range(int(value)))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds >= 0 (0,1,2), got {value!r}")
+    return seeds
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    """Add ``clusterlm compare``'s options to ``p``."""
+    p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
+    p.add_argument("--eval-data", default=None, help="held-out data; default: the demo held-out split")
+    p.add_argument("--model", default="tiny-llama", help="built-in model name or a local HF model directory")
+    p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
+    p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
+    p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2], help="count (3) or list (0,1,2)")
+    p.add_argument("--out", default="runs/compare", help="output directory (resumable)")
+    p.add_argument("--epochs", type=int, default=1, help="training epochs over each method's selection")
+    p.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (smoke runs)")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (trainer, S2L proxy, LESS warm-up)")
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--n-validation", type=int, default=32,
+                   help="last examples of the eval data used as LESS's validation set (excluded from evaluation)")
+    p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per training rank")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--s2l-clusters", type=int, default=100)
+    p.add_argument("--s2l-epochs", type=int, default=1)
+    p.add_argument("--less-epochs", type=int, default=4)
+    p.add_argument("--less-dim", type=int, default=1024)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
+    keys = ("model", "ratio", "world_size", "epochs", "max_steps", "micro_batch_size", "lr", "warmup_ratio",
+            "max_length", "n_validation", "eval_max_examples", "threads", "device", "s2l_clusters", "s2l_epochs",
+            "less_epochs", "less_dim")
+    out = {k: getattr(args, k) for k in keys}
+    out["data"] = str(Path(data_path).resolve())
+    out["eval_data"] = str(Path(eval_path).resolve())
+    return out
+
+
+def _key(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_state(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill: that unit is redone
+    return out
+
+
+def _append_state(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.Namespace, seed: int,
+            model_id: str) -> Any:
+    """The plan of ``method`` (the call that is timed)."""
+    from clusterlm.baselines.random import full_plan, random_plan
+
+    ws, ratio = args.world_size, args.ratio
+    if method == "full":
+        return full_plan(data, ws, seed=seed, model_id=model_id)
+    if method == "random":
+        return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
+    if method in ("cluster", "cluster-paper"):
+        from clusterlm.select import select
+
+        return select(model, data, world_size=ws, ratio=ratio, seed=seed, model_id=model_id,
+                      preset="paper" if method == "cluster-paper" else "default", progress=False)
+    if method == "s2l":
+        from clusterlm.baselines.s2l import s2l_plan
+
+        return s2l_plan(model, data, ws, ratio=ratio, seed=seed, lr=args.lr, micro_batch_size=args.micro_batch_size,
+                        n_clusters=args.s2l_clusters, proxy_epochs=args.s2l_epochs, model_id=model_id)
+    if method == "ifd":
+        from clusterlm.baselines.ifd import ifd_plan
+
+        return ifd_plan(model, data, ws, ratio=ratio, seed=seed, model_id=model_id)
+    if method == "less":
+        from clusterlm.baselines.less import less_plan
+
+        return less_plan(model, data, ws, ratio=ratio, seed=seed, validation=validation, lr=args.lr,
+                         warmup_epochs=args.less_epochs, micro_batch_size=args.micro_batch_size, dim=args.less_dim,
+                         model_id=model_id)
+    raise ValueError(f"compare: unknown method {method!r}; choose from {', '.join(METHODS)}.")
+
+
+def _train_argv(args: argparse.Namespace, plan_dir: Path, train_dir: Path, data_path: str, eval_path: str,
+                n_eval: int, seed: int) -> list[str]:
+    argv = ["--plan", str(plan_dir), "--model", args.model, "--data", data_path, "--out", str(train_dir),
+            "--eval-data", eval_path, "--eval-max-examples", str(n_eval), "--epochs", str(args.epochs),
+            "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr), "--warmup-ratio",
+            str(args.warmup_ratio), "--max-length", str(args.max_length), "--seed", str(seed), "--threads",
+            str(args.threads), "--device", args.device, "--overwrite", "--no-save-model", "--no-progress",
+            "--keep-checkpoints", "1"]
+    if args.max_steps:
+        argv += ["--max-steps", str(args.max_steps)]
+    return argv
+
+
+def run_compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Run (or continue) the comparison; returns the ``compare.json`` content.
+
+    Raises:
+        ValueError: bad arguments (ratio, world size, too few evaluation examples).
+        RuntimeError: a training run failed (its output is above; rerun to continue).
+    """
+    import torch
+
+    from clusterlm.data import load_data
+    from clusterlm.models import load_model
+    from clusterlm.train import SUMMARY, launch
+
+    if not 0 < args.ratio <= 1:
+        raise ValueError(f"compare: --ratio must be in (0, 1], got {args.ratio}.")
+    if args.world_size < 1:
+        raise ValueError(f"compare: --world-size must be >= 1, got {args.world_size}.")
+    data_path, eval_path = args.data, args.eval_data
+    if data_path is None or eval_path is None:
+        from clusterlm.demo import demo_data
+
+        demo = demo_data()
+        data_path = data_path or str(demo.train)
+        eval_path = eval_path or str(demo.heldout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = _settings(args, data_path, eval_path)
+    key = _key(settings)
+    state_path = out / STATE
+    done = {(r["method"], r["seed"]): r for r in _read_state(state_path) if r.get("key") == key}
+    todo = [(m, s) for m in args.methods for s in args.seeds if (m, s) not in done]
+    say = print
+    say(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s); {len(done)} done earlier "
+        f"(in {state_path}), {len(todo)} to run")
+
+    if todo:
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda" if use_cuda else "cpu")
+        saved_threads = torch.get_num_threads()
+        if not use_cuda:
+            torch.set_num_threads(max(1, args.threads * args.world_size))
+        model, tokenizer, model_id = load_model(args.model)
+        model.to(device)
+        data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False)
+        eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False)
+        n_eval_all = len(eval_set)
+        if args.n_validation < 0 or args.n_validation >= n_eval_all:
+            raise ValueError(f"compare: --n-validation must be in [0, {n_eval_all}) (the eval data's size), got "
+                             f"{args.n_validation}.")
+        validation = [eval_set[i] for i in range(n_eval_all - args.n_validation, n_eval_all)]
+        n_eval = n_eval_all - args.n_validation
+        if args.eval_max_examples:
+            n_eval = min(n_eval, args.eval_max_examples)
+        for method, seed in todo:
+            run_dir = out / "runs" / f"{method}-s{seed}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # a unit killed mid-way starts again
+            run_dir.mkdir(parents=True)
+            say(f"\n== {method}, seed {seed}: selection ==")
+            if method == "less" and not validation:
+                raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
+            if not use_cuda:  # the trainer restores its own thread count; set ours again per unit
+                torch.set_num_threads(max(1, args.threads * args.world_size))
+            else:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plan = _select(method, model, data, validation, args, seed, model_id)
+            if use_cuda:
+                torch.cuda.synchronize()
+            selection_s = time.perf_counter() - t0
+            plan.save(run_dir / "plan")
+            say(f"   {plan.n_selected} of {len(data)} examples selected in {selection_s:.2f} s")
+            say(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
+            argv = _train_argv(args, run_dir / "plan", run_dir / "train", data_path, eval_path, n_eval, seed)
+            rc = launch(argv, args.world_size)
+            if rc != 0:
+                raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
+                                   f"above. Rerun the same command to continue with the units not yet done.")
+            summary = json.loads((run_dir / "train" / SUMMARY).read_text(encoding="utf-8"))
+            record = {
+                "key": key, "method": method, "seed": seed, "selection_s": selection_s,
+                "train_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
+                "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
+                "initial_eval_loss": summary["initial_eval_loss"], "n_selected": int(plan.n_selected),
+                "n_examples": len(data), "fraction": plan.n_selected / len(data), "steps": summary["steps"],
+                "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
+            }
+            _append_state(state_path, record)
+            done[(method, seed)] = record
+            say(f"   trained {summary['steps']} steps in {summary['train_time_s']:.1f} s; held-out loss "
+                f"{summary['final_eval_loss']:.4f}")
+        torch.set_num_threads(saved_threads)
+    records = [done[(m, s)] for m in args.methods for s in args.seeds]
+    result = {"settings": settings, "key": key, "methods": args.methods, "seeds": args.seeds,
+              "summary": summarize(records, args.methods), "goals": goals(summarize(records, args.methods)),
+              "records": records}
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / "compare.md").write_text(markdown_table(result) + "\n", encoding="utf-8")
+    plot_compare(result, out / "compare.png")
+    return result
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    arr = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
+    if not len(arr):
+        return float("nan"), float("nan")
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+
+
+def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
+    """Per method: mean and std over seeds of selection / training / total seconds and held-out loss."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        rs = [r for r in records if r["method"] == m]
+        if not rs:
+            continue
+        row: dict[str, Any] = {"seeds": len(rs), "fraction": float(np.mean([r["fraction"] for r in rs]))}
+        for field in ("selection_s", "train_s", "total_s", "eval_loss"):
+            row[field], row[f"{field}_std"] = _mean_std([r[field] for r in rs])
+        out[m] = row
+    return out
+
+
+def goals(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets as measured ratios (those whose methods are present)."""
+    g: dict[str, Any] = {}
+    c = summary.get("cluster")
+    if c is None:
+        return g
+    others = [summary[m]["selection_s"] for m in ("s2l", "ifd", "less") if m in summary]
+    if others:
+        g["cluster_selection_over_fastest_baseline"] = c["selection_s"] / min(others)
+    if "full" in summary:
+        g["cluster_total_over_full_train"] = c["total_s"] / summary["full"]["train_s"]
+        g["cluster_loss_rel_to_full"] = c["eval_loss"] / summary["full"]["eval_loss"] - 1.0
+    if "random" in summary:
+        r = summary["random"]
+        g["cluster_total_over_random_total"] = c["total_s"] / r["total_s"]
+        g["cluster_loss_minus_random"] = c["eval_loss"] - r["eval_loss"]
+        g["random_loss_std"] = r["eval_loss_std"]
+    return g
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The comparison as a markdown table (mean ± std over seeds)."""
+    lines = [f"Comparison at ratio {result['settings']['ratio']}, world size {result['settings']['world_size']}, "
+             f"model {result['settings']['model']}, seeds {result['seeds']}.", "",
+             "| method | fraction | selection s | training s | total s | held-out loss |",
+             "|---|---:|---:|---:|---:|---:|"]
+    def pm(row: dict[str, Any], f: str, digits: int) -> str:
+        return f"{row[f]:.{digits}f} ± {row[f + '_std']:.{digits}f}"
+
+    for m, row in result["summary"].items():
+        lines.append(f"| {m} | {row['fraction']:.3f} | {pm(row, 'selection_s', 2)} | {pm(row, 'train_s', 1)} | "
+                     f"{pm(row, 'total_s', 1)} | {pm(row, 'eval_loss', 4)} |")
+    if result.get("goals"):
+        lines += ["", "| ratio | value |", "|---|---:|"]
+        lines += [f"| {k} | {v:.4f} |" for k, v in result["goals"].items()]
+    return "\n".join(lines)
+
+
+def plot_compare(result: dict[str, Any], path: Path) -> Path | None:
+    """``compare.png``: stacked selection + training seconds, and held-out loss with std error bars."""
+    summary = result["summary"]
+    if not summary:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    x = np.arange(len(names))
+    sel = np.array([summary[m]["selection_s"] for m in names])
+    tr = np.array([summary[m]["train_s"] for m in names])
+    loss = np.array([summary[m]["eval_loss"] for m in names])
+    loss_std = np.array([summary[m]["eval_loss_std"] for m in names])
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax0.bar(x, sel, color="tab:orange", label="selection")
+    ax0.bar(x, tr, bottom=sel, color="tab:blue", label="training")
+    ax0.set_xticks(x, names, rotation=20)
+    ax0.set_ylabel("seconds (mean over seeds)")
+    ax0.set_title("time")
+    ax0.legend()
+    ax0.grid(axis="y", alpha=0.3)
+    ax1.bar(x, loss, yerr=loss_std, capsize=4, color="tab:green")
+    finite = loss[np.isfinite(loss)]
+    if len(finite):
+        span = max(float(finite.max() - finite.min()), 1e-3)
+        ax1.set_ylim(float(finite.min()) - span, float(finite.max()) + span)
+    ax1.set_xticks(x, names, rotation=20)
+    ax1.set_ylabel("held-out answer loss")
+    ax1.set_title("held-out loss (mean ± std over seeds)")
+    ax1.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``clusterlm compare``: run it, print the table; argument errors print one line and return 2."""
+    try:
+        result = run_compare(args)
+    except ValueError as e:
+        print(f"clusterlm compare: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:
+        print(f"clusterlm compare: {e}", file=sys.stderr, flush=True)
+        return 1
+    print("\n" + markdown_table(result))
+    out = Path(args.out)
+    print(f"\nwritten: {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m clusterlm.compare``."""
+    parser = argparse.ArgumentParser(prog="python -m clusterlm.compare", description=__doc__.split("\n")[0])
+    add_compare_args(parser)
+    return cmd_compare(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

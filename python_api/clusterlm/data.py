@@ -1,0 +1,579 @@
+"""Supervised fine-tuning data: load, tokenise, mask prompt tokens, fingerprint, collate.
+
+An *example* is ``{"input_ids": int64 (T,), "labels": int64 (T,)}`` with ``labels == -100`` on every
+token that is not trained (prompt, chat turns other than the assistant's) and ``labels[t] ==
+input_ids[t]`` on answer tokens (the Hugging Face causal-LM convention: the model shifts internally).
+
+Accepted sources (:func:`load_data`): a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with
+Hugging Face ``datasets`` from local files only, through a temporary cache that is deleted afterwards,
+so nothing touches the network or the user's HF cache), a list of dicts, a ``datasets.Dataset`` (or a
+``DatasetDict`` with ``split``), or already-tokenised example dicts. Record formats, detected from the
+columns:
+
+- ``prompt`` / ``response`` ("prompt-response");
+- ``instruction`` / ``input`` (optional) / ``output`` ("alpaca"): prompt = instruction, plus
+  ``"\\n\\n" + input`` when the input is non-empty;
+- ``messages`` ("chat"): a list of ``{"role", "content"}`` rendered with the tokenizer's chat template;
+  only assistant turns are trained;
+- ``input_ids`` / ``labels`` ("tokenized"): used as given (truncated to ``max_length``).
+
+How text is tokenised. Prompt and response are tokenised *separately* (``add_special_tokens=False``)
+and concatenated as ``[bos] + prompt + response + [eos]`` (bos only if the tokenizer has one, eos
+likewise), so the prompt/answer boundary is exact whatever the tokenizer merges across it. The answer
+is ``response + [eos]``. Chat examples are cut into segments at the turn boundaries of the rendered
+template: for assistant turn ``i`` the text added by ``messages[:i+1]`` over the generation prompt of
+``messages[:i]`` (the content plus the template's end-of-turn marker, e.g. ``</s>``) is the answer, every
+other segment (system/user turns, role headers, generation prompts) is masked. Each segment is
+tokenised on its own, again for exact boundaries. Calls to the tokenizer are batched (thousands of
+examples per second with a fast tokenizer).
+
+Truncation. Sequences longer than ``max_length`` keep their head (so the prompt's beginning) and are
+counted in ``SFTDataset.n_truncated``; nothing is dropped silently: an example left without an answer
+token (after the causal shift, i.e. in ``labels[1:]``) raises a ``ValueError`` naming its index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster_kernels.lm_head_features import IGNORE_INDEX
+
+__all__ = ["FORMATS", "IGNORE_INDEX", "SFTDataset", "collate", "fingerprint", "load_data"]
+
+FORMATS = ("prompt-response", "alpaca", "chat", "tokenized")
+FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_ACCEPTED = (
+    "'prompt'/'response'; Alpaca 'instruction'/'input'(optional)/'output'; chat 'messages' (a list of "
+    "{'role', 'content'}); or already tokenised 'input_ids'/'labels'"
+)
+_CHUNK = 1024  # texts per tokenizer call: large enough to batch well, small enough for a smooth progress bar
+_PROGRESS_MIN = 2000  # no bar below this many examples (it would only flicker)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Tokenised supervised fine-tuning examples (a ``torch`` map-style dataset).
+
+    Stores all tokens in two flat int64 arrays with offsets; ``ds[i]`` returns fresh copies.
+
+    Attributes:
+        lengths: ``(N,)`` int64 tokens per example.
+        n_truncated: examples cut to ``max_length``.
+        max_length: the truncation length used (None: no truncation).
+        source: the file path or a description of the source.
+        format: one of :data:`FORMATS`.
+    """
+
+    def __init__(
+        self,
+        input_ids: Sequence[np.ndarray],
+        labels: Sequence[np.ndarray],
+        *,
+        n_truncated: int = 0,
+        max_length: int | None = None,
+        source: str = "<memory>",
+        format: str = "tokenized",
+    ) -> None:
+        """Build from per-example int arrays (already checked and truncated by :func:`load_data`).
+
+        Raises:
+            ValueError: different numbers of ``input_ids`` and ``labels`` arrays, an example whose arrays
+                differ in length, or an unknown ``format``.
+        """
+        if len(input_ids) != len(labels):
+            raise ValueError(
+                f"SFTDataset: got {len(input_ids)} input_ids arrays but {len(labels)} labels arrays; they must pair up."
+            )
+        if format not in FORMATS:
+            raise ValueError(f"SFTDataset: format must be one of {FORMATS}, got {format!r}.")
+        lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int64, count=len(input_ids))
+        label_lengths = np.fromiter((len(x) for x in labels), dtype=np.int64, count=len(labels))
+        if (bad := np.flatnonzero(lengths != label_lengths)).size:
+            i = int(bad[0])
+            raise ValueError(
+                f"SFTDataset: example {i} has {lengths[i]} input_ids but {label_lengths[i]} labels; they must align."
+            )
+        self._offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self._offsets[1:])
+        empty = np.zeros(0, dtype=np.int64)
+        self._ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]) if len(lengths) else empty
+        self._labels = np.concatenate([np.asarray(x, dtype=np.int64) for x in labels]) if len(lengths) else empty
+        self._ids.flags.writeable = False
+        self._labels.flags.writeable = False
+        self.lengths = lengths
+        self.lengths.flags.writeable = False
+        self.n_truncated = int(n_truncated)
+        self.max_length = max_length
+        self.source = source
+        self.format = format
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        """Example ``index`` (negative counts from the end): ``{"input_ids", "labels"}`` int64 ``(T,)`` copies.
+
+        Raises:
+            IndexError: ``index`` out of range.
+            TypeError: ``index`` is not an int.
+        """
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            raise TypeError(f"SFTDataset: index must be an int, got {type(index).__name__}.")
+        n = len(self)
+        i = int(index) + n if index < 0 else int(index)
+        if not 0 <= i < n:
+            raise IndexError(f"SFTDataset: index {index} out of range for {n} examples.")
+        a, b = self._offsets[i], self._offsets[i + 1]
+        return {"input_ids": self._ids[a:b].copy(), "labels": self._labels[a:b].copy()}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return (
+            f"SFTDataset(n={len(self)}, format={self.format!r}, tokens={int(self.lengths.sum())}, "
+            f"max_length={self.max_length}, n_truncated={self.n_truncated}, source={self.source!r})"
+        )
+
+    @property
+    def n_answer_tokens(self) -> np.ndarray:
+        """``(N,)`` int64 trained tokens per example (labels != -100)."""
+        trained = (self._labels != IGNORE_INDEX).astype(np.int64)
+        sums = np.add.reduceat(trained, self._offsets[:-1]) if len(trained) else np.zeros(0, dtype=np.int64)
+        sums[self.lengths == 0] = 0  # reduceat returns the next element for empty segments
+        return sums
+
+    def fingerprint(self) -> dict[str, Any]:
+        """``{"size": N, "sha256": hex}`` of the tokenised content; see :func:`fingerprint`."""
+        digest = hashlib.sha256()
+        for i in range(len(self)):
+            a, b = self._offsets[i], self._offsets[i + 1]
+            digest.update(np.int64(b - a).tobytes())
+            digest.update(self._ids[a:b])
+            digest.update(self._labels[a:b])
+        return {"size": len(self), "sha256": digest.hexdigest()}
+
+
+def fingerprint(examples: Any) -> dict[str, Any]:
+    """Content fingerprint of tokenised examples: ``{"size": N, "sha256": hex}``.
+
+    The hash runs over the examples in order, each contributing ``int64(len)`` bytes, then its
+    ``input_ids`` as int64 bytes, then its ``labels`` as int64 bytes (native byte order). Any change of a
+    token, a label, the order or a length changes it; the tokenizer or file it came from does not matter.
+
+    Args:
+        examples: an :class:`SFTDataset`, or a sequence of dicts with ``input_ids`` / ``labels`` (lists,
+            numpy arrays or tensors), or of ``(input_ids, labels)`` pairs.
+
+    Returns:
+        ``{"size": int, "sha256": str}``.
+
+    Raises:
+        TypeError: an item is neither such a dict nor a pair.
+        ValueError: an item's ``input_ids`` and ``labels`` differ in length or are not 1-D.
+    """
+    if isinstance(examples, SFTDataset):
+        return examples.fingerprint()
+    digest = hashlib.sha256()
+    n = 0
+    for i, item in enumerate(examples):
+        ids, labels = _pair(item, i, "fingerprint")
+        digest.update(np.int64(len(ids)).tobytes())
+        digest.update(ids.tobytes())
+        digest.update(labels.tobytes())
+        n += 1
+    return {"size": n, "sha256": digest.hexdigest()}
+
+
+def _as_int64(value: Any, what: str, index: int, caller: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"{caller}: example {index}: {what} must be a 1-D sequence of ints, got shape {arr.shape} and dtype "
+            f"{arr.dtype}."
+        )
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _pair(item: Any, index: int, caller: str) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(item, Mapping):
+        if "input_ids" not in item or "labels" not in item:
+            raise TypeError(
+                f"{caller}: example {index} must have 'input_ids' and 'labels', got keys {sorted(item)[:8]}."
+            )
+        ids, labels = item["input_ids"], item["labels"]
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        ids, labels = item
+    else:
+        raise TypeError(
+            f"{caller}: example {index} must be a dict with 'input_ids' and 'labels' or an (input_ids, labels) "
+            f"pair, got {type(item).__name__}."
+        )
+    ids, labels = _as_int64(ids, "input_ids", index, caller), _as_int64(labels, "labels", index, caller)
+    if len(ids) != len(labels):
+        raise ValueError(
+            f"{caller}: example {index} has {len(ids)} input_ids but {len(labels)} labels; they must align "
+            "position by position."
+        )
+    return ids, labels
+
+
+def collate(examples: Sequence[Mapping[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad examples into a batch.
+
+    Args:
+        examples: dicts with ``input_ids`` and ``labels`` (1-D int sequences, numpy arrays or tensors).
+        pad_id: token id written into padded ``input_ids`` positions (masked out by ``attention_mask``).
+
+    Returns:
+        ``{"input_ids", "attention_mask", "labels"}``, int64 tensors of shape ``(B, T_max)``; padding has
+        ``attention_mask == 0`` and ``labels == -100``.
+
+    Raises:
+        ValueError: no examples, mismatched lengths inside an example.
+        TypeError: an example is not a dict with ``input_ids`` and ``labels``, or ``pad_id`` is not an int.
+    """
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise TypeError(f"collate: pad_id must be an int token id, got {pad_id!r}.")
+    pairs = [_pair(ex, i, "collate") for i, ex in enumerate(examples)]
+    if not pairs:
+        raise ValueError("collate: got no examples; a batch needs at least one.")
+    width = max(len(ids) for ids, _ in pairs)
+    input_ids = np.full((len(pairs), width), int(pad_id), dtype=np.int64)
+    labels = np.full((len(pairs), width), IGNORE_INDEX, dtype=np.int64)
+    mask = np.zeros((len(pairs), width), dtype=np.int64)
+    for row, (ids, lab) in enumerate(pairs):
+        input_ids[row, : len(ids)] = ids
+        labels[row, : len(lab)] = lab
+        mask[row, : len(ids)] = 1
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(mask),
+        "labels": torch.from_numpy(labels),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_data(
+    source: Any,
+    tokenizer: Any = None,
+    *,
+    max_length: int | None = 1024,
+    split: str | None = None,
+    progress: bool = True,
+) -> SFTDataset:
+    """Load, tokenise and mask a supervised fine-tuning data set.
+
+    Args:
+        source: a path to a local ``.jsonl`` / ``.json`` (list of records) / ``.parquet`` file, a list of
+            dicts, a ``datasets.Dataset`` / ``DatasetDict``, or already tokenised example dicts (``input_ids``
+            and ``labels``; a list or an :class:`SFTDataset`). Record formats: see the module docstring.
+        tokenizer: a Hugging Face tokenizer (fast ones are much quicker); may be None for tokenised data.
+            Chat data needs its ``chat_template``.
+        max_length: longest sequence kept (the head is kept and the example counted in ``n_truncated``);
+            None disables truncation.
+        split: which split of a ``DatasetDict`` (required when it has several); for files, the split name
+            ``datasets`` gives them (default ``"train"``).
+        progress: show a tqdm bar while tokenising (only for more than 2000 examples).
+
+    Returns:
+        :class:`SFTDataset`.
+
+    Raises:
+        FileNotFoundError: ``source`` is a path that does not exist.
+        ValueError: unknown file extension, missing columns (the message lists the columns found and the
+            accepted formats), an example without an answer token (possibly after truncation; the message
+            names its index and the fix), a bad ``max_length`` or ``split``, no examples.
+        TypeError: an unsupported ``source`` type, non-string text fields, a missing tokenizer.
+    """
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+        raise ValueError(
+            f"load_data: max_length must be an int >= 2 (a prompt token and an answer token) or None, got "
+            f"{max_length!r}."
+        )
+    columns, description = _read_source(source, split)
+    if not columns or not len(next(iter(columns.values()))):
+        raise ValueError(f"load_data: {description} holds no examples.")
+    fmt = _detect_format(columns, description)
+    n = len(next(iter(columns.values())))
+    if fmt == "tokenized":
+        input_ids, labels = [], []
+        for i in range(n):
+            ids, lab = _pair({"input_ids": columns["input_ids"][i], "labels": columns["labels"][i]}, i, "load_data")
+            input_ids.append(ids)
+            labels.append(lab)
+    else:
+        if tokenizer is None:
+            raise TypeError(
+                f"load_data: {description} holds text in the {fmt!r} format, so a tokenizer is required "
+                "(e.g. transformers.AutoTokenizer.from_pretrained(<model dir>)); got tokenizer=None."
+            )
+        bar = _progress(n, progress)
+        try:
+            if fmt == "chat":
+                input_ids, labels = _tokenize_chat(columns["messages"], tokenizer, bar)
+            else:
+                prompts, responses = _prompts_responses(columns, fmt)
+                input_ids, labels = _tokenize_pairs(prompts, responses, tokenizer, bar)
+        finally:
+            bar.close()
+    n_truncated = 0
+    for i in range(n):
+        if max_length is not None and len(input_ids[i]) > max_length:
+            input_ids[i], labels[i] = input_ids[i][:max_length], labels[i][:max_length]
+            n_truncated += 1
+            if not (labels[i][1:] != IGNORE_INDEX).any():
+                raise ValueError(
+                    f"load_data: example {i} of {description} has no answer token left after truncation to "
+                    f"max_length={max_length} (its prompt fills the first {max_length} tokens). Raise max_length "
+                    "or shorten that prompt; examples are never dropped silently."
+                )
+        elif not (labels[i][1:] != IGNORE_INDEX).any():
+            raise ValueError(
+                f"load_data: example {i} of {description} has no answer token (all labels after the first "
+                "position are -100: an empty response without an eos token, a chat without an assistant turn, "
+                "or fully masked labels); its loss would be undefined. Fix or remove that example."
+            )
+    return SFTDataset(
+        input_ids, labels, n_truncated=n_truncated, max_length=max_length, source=description, format=fmt
+    )
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, unit="ex", desc="tokenize", disable=not enabled or total < _PROGRESS_MIN, dynamic_ncols=True
+    )
+
+
+def _read_source(source: Any, split: str | None) -> tuple[dict[str, list[Any]], str]:
+    """Columns (name -> list of values) and a description of ``source``."""
+    if isinstance(source, (str, os.PathLike)):
+        return _read_file(Path(source), split)
+    if isinstance(source, SFTDataset):  # re-truncate / re-check an existing data set
+        return {"input_ids": [ex["input_ids"] for ex in source], "labels": [ex["labels"] for ex in source]}, (
+            source.source
+        )
+    datasets_mod = sys.modules.get("datasets")  # a datasets object implies the module is already imported
+    if datasets_mod is not None and isinstance(source, datasets_mod.DatasetDict):
+        names = list(source.keys())
+        if split is None and len(names) == 1:
+            split = names[0]
+        if split not in source:
+            raise ValueError(
+                f"load_data: split must name one of the DatasetDict's splits {names}, got split={split!r}."
+            )
+        return _dataset_columns(source[split]), f"datasets.DatasetDict[{split!r}]"
+    if datasets_mod is not None and isinstance(source, datasets_mod.Dataset):
+        return _dataset_columns(source), f"datasets.Dataset({source.num_rows} rows)"
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, Mapping)):
+        return _records_columns(source), f"list of {len(source)} records"
+    raise TypeError(
+        "load_data: source must be a path to a .jsonl/.json/.parquet file, a list of dicts, a datasets.Dataset or "
+        f"a list of tokenised examples, got {type(source).__name__}."
+    )
+
+
+def _read_file(path: Path, split: str | None) -> tuple[dict[str, list[Any]], str]:
+    if not path.exists():
+        raise FileNotFoundError(f"load_data: no such file {str(path)!r}; give the path of a local data file.")
+    if not path.is_file():
+        raise ValueError(f"load_data: {str(path)!r} is a directory; give the path of one data file.")
+    suffix = path.suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise ValueError(
+            f"load_data: unknown file extension {suffix or '(none)'!r} of {str(path)!r}; accepted: "
+            f"{', '.join(FILE_SUFFIXES)} (convert other formats, or pass a list of dicts)."
+        )
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # the "Generating train split" bar is noise for a local file
+    try:
+        # A private, temporary cache: the arrow files datasets writes are gone after reading, and the user's
+        # ~/.cache/huggingface is never touched; the packaged json/parquet builders need no network.
+        with tempfile.TemporaryDirectory(prefix="clusterlm-data-") as cache_dir:
+            ds = datasets.load_dataset(
+                FILE_SUFFIXES[suffix], data_files=str(path), split=split or "train", cache_dir=cache_dir
+            )
+            columns = _dataset_columns(ds)
+            del ds
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+    return columns, str(path)
+
+
+def _dataset_columns(ds: Any) -> dict[str, list[Any]]:
+    # Plain lists (``ds[name]`` is a lazy Column in datasets >= 4 that would outlive the temporary cache).
+    return {name: list(values) for name, values in ds.to_dict().items()}
+
+
+def _records_columns(records: Sequence[Any]) -> dict[str, list[Any]]:
+    if not records:
+        return {}
+    names: dict[str, None] = {}  # union of the keys, in first-seen order
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise TypeError(f"load_data: records must be dicts, got {type(record).__name__} at index {i}.")
+        names.update(dict.fromkeys(record))
+    # A key absent from a record reads as None: fine for Alpaca's optional 'input'; _detect_format names the
+    # first record lacking a required column.
+    return {name: [record.get(name) for record in records] for name in names}
+
+
+def _detect_format(columns: Mapping[str, list[Any]], description: str) -> str:
+    names = set(columns)
+    if {"input_ids", "labels"} <= names:
+        fmt, required = "tokenized", ("input_ids", "labels")
+    elif "messages" in names:
+        fmt, required = "chat", ("messages",)
+    elif {"prompt", "response"} <= names:
+        fmt, required = "prompt-response", ("prompt", "response")
+    elif {"instruction", "output"} <= names:
+        fmt, required = "alpaca", ("instruction", "output")
+    else:
+        raise ValueError(
+            f"load_data: {description} has columns {sorted(names)}, which match no accepted format: {_ACCEPTED}. "
+            "Rename the columns (e.g. datasets.Dataset.rename_column) or tokenise the data yourself."
+        )
+    for name in required:
+        missing = [i for i, v in enumerate(columns[name]) if v is None]
+        if missing:
+            raise ValueError(
+                f"load_data: example {missing[0]} of {description} has no {name!r} (format {fmt!r} needs "
+                f"{list(required)}); {len(missing)} example(s) lack it."
+            )
+    return fmt
+
+
+def _text(value: Any, column: str, index: int) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"load_data: example {index}: {column!r} must be a string, got {type(value).__name__}.")
+    return value
+
+
+def _prompts_responses(columns: Mapping[str, list[Any]], fmt: str) -> tuple[list[str], list[str]]:
+    if fmt == "prompt-response":
+        prompts = [_text(v, "prompt", i) for i, v in enumerate(columns["prompt"])]
+        responses = [_text(v, "response", i) for i, v in enumerate(columns["response"])]
+        return prompts, responses
+    inputs = columns.get("input") or [None] * len(columns["instruction"])
+    prompts = []
+    for i, (instruction, extra) in enumerate(zip(columns["instruction"], inputs, strict=True)):
+        instruction = _text(instruction, "instruction", i)
+        extra = "" if extra is None else _text(extra, "input", i)
+        prompts.append(instruction + "\n\n" + extra if extra.strip() else instruction)
+    responses = [_text(v, "output", i) for i, v in enumerate(columns["output"])]
+    return prompts, responses
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    out = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return [list(x) for x in out]
+
+
+def _special_id(tokenizer: Any, name: str) -> list[int]:
+    value = getattr(tokenizer, f"{name}_token_id", None)
+    return [] if value is None else [int(value)]
+
+
+def _tokenize_pairs(
+    prompts: list[str], responses: list[str], tokenizer: Any, bar: Any
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    bos, eos = _special_id(tokenizer, "bos"), _special_id(tokenizer, "eos")
+    input_ids, labels = [], []
+    for start in range(0, len(prompts), _CHUNK):
+        p_ids = _encode(tokenizer, prompts[start : start + _CHUNK])
+        r_ids = _encode(tokenizer, responses[start : start + _CHUNK])
+        for p, r in zip(p_ids, r_ids, strict=True):
+            head = bos + p
+            answer = r + eos
+            input_ids.append(np.asarray(head + answer, dtype=np.int64))
+            labels.append(np.asarray([IGNORE_INDEX] * len(head) + answer, dtype=np.int64))
+        bar.update(len(p_ids))
+    return input_ids, labels
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert isinstance(text, str), type(text)
+    return text
+
+
+def _chat_segments(tokenizer: Any, messages: Any, index: int) -> list[tuple[str, bool]]:
+    """The rendered conversation cut into ``(text, is_answer)`` segments at assistant-turn boundaries."""
+    if not isinstance(messages, (list, tuple)) or not all(
+        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise TypeError(
+            f"load_data: example {index}: 'messages' must be a list of {{'role': str, 'content': str}} dicts, "
+            f"got {json.dumps(messages, default=str)[:200]}."
+        )
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    full = _render(tokenizer, messages, False)
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], True)
+        upto = _render(tokenizer, messages[: i + 1], False)
+        if not (upto.startswith(before) and full.startswith(upto) and len(before) >= pos):
+            raise ValueError(
+                f"load_data: example {index}: the tokenizer's chat template does not render conversations "
+                "prefix-consistently (the text of the first turns changes when later turns are added), so the "
+                "assistant tokens cannot be located exactly. Use a template without such special cases, or "
+                "convert the data to prompt/response."
+            )
+        segments.append((full[pos : len(before)], False))
+        segments.append((upto[len(before) :], True))
+        pos = len(upto)
+    segments.append((full[pos:], False))
+    return [(text, answer) for text, answer in segments if text]
+
+
+def _tokenize_chat(
+    conversations: list[Any], tokenizer: Any, bar: Any
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "load_data: chat data ('messages') needs a tokenizer with a chat_template; this tokenizer has none. "
+            "Set tokenizer.chat_template, or convert the data to 'prompt'/'response' records."
+        )
+    input_ids, labels = [], []
+    for start in range(0, len(conversations), _CHUNK):
+        chunk = [_chat_segments(tokenizer, m, start + j) for j, m in enumerate(conversations[start : start + _CHUNK])]
+        flat = _encode(tokenizer, [text for segments in chunk for text, _ in segments])
+        k = 0
+        for segments in chunk:
+            ids: list[int] = []
+            lab: list[int] = []
+            for _, is_answer in segments:
+                ids += flat[k]
+                lab += flat[k] if is_answer else [IGNORE_INDEX] * len(flat[k])
+                k += 1
+            input_ids.append(np.asarray(ids, dtype=np.int64))
+            labels.append(np.asarray(lab, dtype=np.int64))
+        bar.update(len(chunk))
+    return input_ids, labels

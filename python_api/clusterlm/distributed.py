@@ -1,0 +1,268 @@
+"""Selection on several processes: torch.distributed setup and sharded, resumable featurization.
+
+Launch one process per rank with torchrun (gloo on CPU, nccl on GPUs)::
+
+    torchrun --nproc-per-node 2 my_select.py
+
+and in each process::
+
+    info = init_distributed()                       # env:// from torchrun's variables
+    part = featurize_sharded(featurizer, dataset, "features/", rank=info.rank, world_size=info.world_size)
+    result = distributed_capacity_kmeans(part.local(), k=info.world_size, ...)   # rows part.start:part.stop
+    if is_main():
+        ...                                         # write the plan once
+
+Rank ``r`` featurizes the contiguous range ``part.shards`` of the store's shards (``shard_size`` examples
+each) into the shared :class:`~clusterlm.store.FeatureStore` directory; a shard is recorded only once it
+is safely on disk, so a rank that dies is restarted with the same arguments and redoes only its
+unfinished shards (the others' work is untouched, even while they run). With a process group, the ranks
+then meet at a barrier, rank 0 assembles ``features.npy`` and every rank gets its rows as a read-only
+memory map. The features are identical to a single-process ``GradientFeaturizer.featurize`` with the
+same store (batches never cross a shard).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster_kernels.distributed import shard_rows
+from clusterlm.data import fingerprint
+from clusterlm.store import FeatureStore
+
+__all__ = ["DistInfo", "ShardedFeatures", "barrier", "featurize_sharded", "init_distributed", "is_main"]
+
+DEFAULT_SHARD_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` on its node, the backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None
+
+
+def _initialised() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    """Join the process group torchrun describes (env://), or run as a single process.
+
+    Without ``WORLD_SIZE`` in the environment (or with ``WORLD_SIZE=1``) nothing is initialised and rank 0
+    of 1 is returned; an already initialised group is returned as it is.
+
+    Args:
+        backend: "gloo", "nccl", ... (default: nccl when CUDA is available, else gloo). With nccl the
+            process's CUDA device is set to ``LOCAL_RANK``.
+
+    Returns:
+        :class:`DistInfo`.
+
+    Raises:
+        ValueError: ``WORLD_SIZE > 1`` but ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` is missing (launch
+            with torchrun), or nccl requested without CUDA.
+    """
+    dist = torch.distributed
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if _initialised():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo(0, 1, 0, None)
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"init_distributed: WORLD_SIZE={world} but {', '.join(missing)} not set; launch the processes with "
+            "torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)."
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("init_distributed: backend='nccl' needs CUDA, which is not available; use 'gloo'.")
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method="env://")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend())
+
+
+def is_main() -> bool:
+    """True on rank 0, or when no process group is initialised (write plans, logs and reports only here)."""
+    return not _initialised() or torch.distributed.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
+    if _initialised():
+        torch.distributed.barrier()
+
+
+@dataclass
+class ShardedFeatures:
+    """What :func:`featurize_sharded` did on this rank and where its features are.
+
+    Attributes:
+        store: the shared store.
+        rank, world_size: this process's place.
+        shards: the store shards this rank owns (contiguous).
+        start, stop: its example rows ``[start, stop)`` (``shards`` times the shard size, cut at the end).
+        n_examples: examples in the data set.
+        computed: the shards this call computed (the others were already stored).
+    """
+
+    store: FeatureStore
+    rank: int
+    world_size: int
+    shards: range
+    start: int
+    stop: int
+    n_examples: int
+    computed: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """True once ``features.npy`` holds every example (after :meth:`finalize`)."""
+        return self.store.reload().complete
+
+    def finalize(self) -> np.memmap:
+        """Assemble ``features.npy`` once every rank's shards are stored (rank 0 does it after a barrier).
+
+        Raises:
+            ValueError: shards are still missing (their ranks have not finished).
+        """
+        return self.store.reload().finalize(self.n_examples)
+
+    def local(self) -> np.ndarray:
+        """This rank's rows ``[start, stop)``: a read-only memory map of ``features.npy`` once complete, else
+        its shards concatenated in memory."""
+        if self.complete:
+            return self.store.features()[self.start : self.stop]
+        if not len(self.shards):
+            return np.zeros((0, self.store.dim), dtype=np.float32)
+        return np.concatenate([self.store.read_shard(i) for i in self.shards])
+
+
+def featurize_sharded(
+    featurizer: Any,
+    dataset: Any,
+    store_dir: str | os.PathLike | FeatureStore,
+    *,
+    rank: int,
+    world_size: int,
+    batch_tokens: int = 8192,
+    progress: bool = True,
+    shard_size: int | None = None,
+) -> ShardedFeatures:
+    """Featurize this rank's contiguous range of shards into a shared :class:`FeatureStore`; resumable.
+
+    The store's ``n_shards = ceil(N / shard_size)`` shards are split into ``world_size`` contiguous ranges
+    (:func:`cluster_kernels.distributed.shard_rows`); rank ``r`` computes the shards of its range that the
+    manifest does not list yet, checking the listed ones against the data (``clusterlm.data.fingerprint``
+    of the shard's examples, the scheme of ``GradientFeaturizer.featurize``). With an initialised process
+    group of ``world_size`` ranks it then waits for all of them, rank 0 assembles ``features.npy`` and all
+    wait again, so the returned :meth:`ShardedFeatures.local` is a memory map on every rank. Without a
+    group (ranks run as separate jobs) a single process finalizes itself; otherwise call
+    :meth:`ShardedFeatures.finalize` once all ranks are done.
+
+    Args:
+        featurizer: a :class:`clusterlm.features.GradientFeaturizer` (anything with ``featurize``,
+            ``feature_dim`` and ``config()``).
+        dataset: indexable examples (``len`` and ``dataset[i]`` -> dict with ``input_ids`` and ``labels``):
+            an ``SFTDataset``, a list of dicts or a ``datasets.Dataset``. Every rank passes the same data.
+        store_dir: the shared store directory (or a ``FeatureStore``).
+        rank, world_size: this process's rank and the number of ranks.
+        batch_tokens: padded tokens per forward, as ``GradientFeaturizer.featurize``.
+        progress: a bar on rank 0 showing the examples done over all ranks (read from the manifest).
+        shard_size: examples per shard for a new store (default: the store's, else 1024).
+
+    Returns:
+        :class:`ShardedFeatures`.
+
+    Raises:
+        ValueError: bad rank/world size, a store of another configuration, data that differ from a stored
+            shard's (the message names the shard and its examples), a process group of another size.
+        TypeError: a dataset without ``len`` / indexing.
+    """
+    op = "featurize_sharded"
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{op}: world_size must be an int >= 1, got {world_size!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"{op}: rank must be an int in [0, {world_size}), got {rank!r}.")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"{op}: dataset must support len() and dataset[i] (an SFTDataset, a list of dicts or a "
+            f"datasets.Dataset), got {type(dataset).__name__}; materialise a stream with list(...)."
+        )
+    if _initialised() and torch.distributed.get_world_size() != world_size:
+        raise ValueError(
+            f"{op}: world_size={world_size} but the process group has {torch.distributed.get_world_size()} ranks; "
+            "pass the group's size (init_distributed().world_size)."
+        )
+    if isinstance(store_dir, FeatureStore):
+        store = store_dir
+    else:
+        if shard_size is None:
+            existing = FeatureStore(store_dir)
+            shard_size = existing._read_manifest()["shard_size"] if existing.exists else DEFAULT_SHARD_SIZE
+        store = FeatureStore(store_dir, shard_size=shard_size)
+    n = len(dataset)
+    size = store.shard_size
+    n_shards = math.ceil(n / size)
+    first, last = shard_rows(n_shards, world_size, rank)
+    shards = range(first, last)
+    start, stop = first * size, min(n, last * size)
+    store.begin(dim=featurizer.feature_dim, config=featurizer.config())  # records what is already done
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n, unit="ex", desc=f"featurize ({world_size} ranks)", disable=not (progress and rank == 0),
+               dynamic_ncols=True)
+    computed: list[int] = []
+    try:
+        bar.update(_rows_done(store))
+        for w in shards:
+            a, b = w * size, min(n, (w + 1) * size)
+            examples = [dataset[i] for i in range(a, b)]
+            digest = fingerprint(examples)["sha256"]
+            record = store.shard_record(w)
+            if record is not None:
+                if record["data_sha256"] != digest or record["rows"] != b - a:
+                    raise ValueError(
+                        f"{op}: examples {a}..{b - 1} differ from those stored in shard {w} of {store.path}; the "
+                        "data changed since that run. Use a new store directory."
+                    )
+                continue
+            feats = featurizer.featurize(examples, batch_tokens=batch_tokens, store=None, shard_size=size,
+                                         progress=False)
+            store.write_shard(w, np.asarray(feats, dtype=np.float32), data_sha256=digest)
+            computed.append(w)
+            if rank == 0 and progress:
+                bar.update(_rows_done(store.reload()) - bar.n)
+    finally:
+        bar.close()
+    part = ShardedFeatures(store, rank, world_size, shards, start, stop, n, computed)
+    if _initialised():
+        barrier()
+        if rank == 0:
+            part.finalize()
+        barrier()
+    elif world_size == 1:
+        part.finalize()
+    store.reload()
+    return part
+
+
+def _rows_done(store: FeatureStore) -> int:
+    """Examples in shards the manifest lists (all ranks together)."""
+    if store.complete:
+        return store.n_examples or 0
+    return sum(int(r["rows"]) for r in store._read_manifest()["shards"].values())
+

@@ -1,0 +1,106 @@
+"""``clusterlm compare``: a real tiny comparison (random + cluster, real selection and training), then a
+rerun that recomputes nothing, and a rerun after a lost record that recomputes exactly that unit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+import clusterlm.compare as compare
+import clusterlm.train as train_mod
+
+
+def _args(tmp_path, data, heldout, **over) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_compare_args(parser)
+    argv = ["--data", str(data), "--eval-data", str(heldout), "--model", "tiny-llama", "--methods", "random,cluster",
+            "--seeds", "1", "--world-size", "1", "--max-steps", "2", "--micro-batch-size", "4", "--n-validation", "2",
+            "--out", str(tmp_path / "cmp"), "--no-progress"]
+    args = parser.parse_args(argv)
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.fixture()
+def small_demo(demo, tmp_path):
+    train = tmp_path / "train.jsonl"
+    heldout = tmp_path / "heldout.jsonl"
+    train.write_text("".join(demo.train.read_text(encoding="utf-8").splitlines(keepends=True)[:40]), encoding="utf-8")
+    heldout.write_text("".join(demo.heldout.read_text(encoding="utf-8").splitlines(keepends=True)[:10]),
+                       encoding="utf-8")
+    return train, heldout
+
+
+def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, tmp_path, monkeypatch, capsys):
+    train, heldout = small_demo
+    args = _args(tmp_path, train, heldout)
+    assert compare.cmd_compare(args) == 0
+    out = tmp_path / "cmp"
+    result = json.loads((out / "compare.json").read_text())
+    assert [r["method"] for r in result["records"]] == ["random", "cluster"]
+    for r in result["records"]:
+        assert r["n_selected"] == round(0.31 * 40) and r["steps"] == 2 and r["train_s"] > 0
+        assert math.isfinite(r["eval_loss"]) and r["eval_loss"] < r["initial_eval_loss"]
+        assert r["total_s"] == pytest.approx(r["selection_s"] + r["train_s"])
+    assert result["records"][1]["timings"]["features"] > 0  # the cluster selection really featurized
+    assert "cluster_total_over_random_total" in result["goals"]
+    assert (out / "compare.png").stat().st_size > 0 and "| cluster |" in (out / "compare.md").read_text()
+    state = (out / compare.STATE).read_text()
+    assert len(state.splitlines()) == 2
+
+    # a rerun with the same settings: nothing is selected or trained again
+    calls: list[str] = []
+    real_select, real_launch = compare._select, train_mod.launch
+    monkeypatch.setattr(compare, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
+    monkeypatch.setattr(train_mod, "launch", lambda *a, **k: (calls.append("train"), real_launch(*a, **k))[1])
+    assert compare.cmd_compare(args) == 0
+    assert calls == [] and (out / compare.STATE).read_text() == state
+    assert "2 done earlier" in capsys.readouterr().out
+
+    # a unit whose record is lost (killed before it was written) is the only one redone
+    (out / compare.STATE).write_text(state.splitlines(keepends=True)[0])
+    assert compare.cmd_compare(args) == 0
+    assert calls == ["cluster", "train"]
+    assert len((out / compare.STATE).read_text().splitlines()) == 2
+
+    # other settings do not reuse the records
+    other = _args(tmp_path, train, heldout, methods=["random"], max_steps=1)
+    calls.clear()
+    assert compare.cmd_compare(other) == 0
+    assert calls == ["random", "train"]
+
+
+def test_compare_argument_errors(small_demo, tmp_path):
+    train, heldout = small_demo
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2
+    with pytest.raises(SystemExit):
+        parser = argparse.ArgumentParser()
+        compare.add_compare_args(parser)
+        parser.parse_args(["--methods", "random,nope"])
+
+
+def test_pretrain_builder_trains_and_saves_a_loadable_base_model(demo, tmp_path):
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from clusterlm.models import BUILTIN_MODELS
+    from clusterlm.pretrain import build_tiny_llama_pretrained, token_blocks
+
+    blocks = token_blocks(list(range(10, 30)), 5, bos_id=1)
+    assert blocks.shape == (5, 5) and (blocks[:, 0] == 1).all() and blocks[1, 1:].tolist() == [14, 15, 16, 17]
+    with pytest.raises(ValueError, match="fewer than one block"):
+        token_blocks([1, 2], 8, bos_id=1)
+    assert "tiny-llama-pretrained" in BUILTIN_MODELS
+    info = build_tiny_llama_pretrained(tmp_path, demo, steps=3, block_size=64, batch_size=4, warmup_steps=0,
+                                       eval_fraction=0.002)
+    assert info["eval_loss_after"] < info["eval_loss_before"] and info["eval_blocks"] >= 1
+    assert json.loads((tmp_path / "pretrain.json").read_text())["settings"]["steps"] == 3
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
+    assert model.config.hidden_size == 128 and np.isfinite(info["train_loss_last"])
+    with pytest.raises(ValueError, match="unknown settings"):
+        build_tiny_llama_pretrained(tmp_path, demo, epochs=1)

@@ -1,0 +1,272 @@
+"""Selection: exact budgets, weights, within-cluster picks, the paper preset, allocation, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster_kernels import capacity_kmeans
+from clusterlm.allocation import allocate, rebalance_tokens, visit_order
+from clusterlm.select import pick_in_cluster, select, select_from_features
+
+
+def _mixture(n: int, d: int = 8, k: int = 4, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((k, d)) * 3
+    comp = rng.choice(k, size=n, p=rng.dirichlet(np.ones(k) * 2))
+    return (centers[comp] + rng.standard_normal((n, d))).astype(np.float32)
+
+
+def _lengths(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed + 1).integers(8, 400, size=n).astype(np.int64)
+
+
+def _check_plan_invariants(plan, n: int, world_size: int) -> None:
+    per_rank = [len(r) for r in plan.rank_indices]
+    assert len(set(per_rank)) == 1, per_rank
+    allidx = np.concatenate(plan.rank_indices)
+    assert len(np.unique(allidx)) == len(allidx)
+    assert allidx.min() >= 0 and allidx.max() < n
+    sel = plan.weights > 0
+    assert sel.sum() == len(allidx) and sel[allidx].all()
+    assert plan.weights[allidx].mean() == pytest.approx(1.0, rel=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(40, 400),
+    world_size=st.integers(1, 5),
+    ratio=st.floats(0.05, 1.0),
+    clusters_per_rank=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_default_preset_meets_budget_exactly(n, world_size, ratio, clusters_per_rank, seed):
+    n_clusters = world_size * clusters_per_rank
+    requested = max(1, round(ratio * n))
+    if requested < n_clusters or n < n_clusters:
+        return
+    x = _mixture(n, seed=seed)
+    plan = select_from_features(x, world_size=world_size, ratio=ratio, lengths=_lengths(n, seed), seed=seed,
+                                clusters_per_rank=clusters_per_rank)
+    _check_plan_invariants(plan, n, world_size)
+    per_cluster = requested // n_clusters
+    assert plan.n_selected == per_cluster * n_clusters
+    assert requested - plan.n_selected < n_clusters  # "exact up to world_size rounding"
+    assert (plan.cluster_sizes >= per_cluster).all()
+    assert plan.cluster_sizes.max() <= math.ceil(1.5 * n / n_clusters)
+    # every rank trains on whole clusters
+    for r in plan.rank_indices:
+        assert len(np.unique(plan.cluster_labels[r])) == clusters_per_rank
+
+
+def test_budget_argument_is_exact_when_divisible():
+    x = _mixture(300)
+    plan = select_from_features(x, world_size=3, budget=90)
+    assert plan.n_selected == 90 and [len(r) for r in plan.rank_indices] == [30, 30, 30]
+    assert "rounding" not in plan.stats
+    plan = select_from_features(x, world_size=4, budget=90)
+    assert plan.n_selected == 88 and "88 selected" in plan.stats["rounding"]
+
+
+def test_weights_are_k_nk_over_n_for_cluster_per_rank():
+    n, k = 500, 4
+    plan = select_from_features(_mixture(n), world_size=k, ratio=0.3, lengths=_lengths(n))
+    for rank, idx in enumerate(plan.rank_indices):
+        (cluster,) = np.unique(plan.cluster_labels[idx])
+        n_k = int((plan.cluster_labels == cluster).sum())
+        assert plan.cluster_sizes[cluster] == n_k
+        np.testing.assert_allclose(plan.weights[idx], k * n_k / n, rtol=1e-12)
+        assert cluster == rank  # one cluster per rank: cluster k -> rank k
+
+
+def test_farthest_matches_brute_force():
+    n = 240
+    x = _mixture(n, seed=3)
+    plan = select_from_features(x, world_size=3, ratio=0.25, seed=5)
+    km = capacity_kmeans(x, 3, min_size=plan.stats["per_cluster"], max_size=math.ceil(1.5 * n / 3), n_init=3, seed=5)
+    np.testing.assert_array_equal(plan.cluster_labels, km.labels)
+    for c in range(3):
+        members = np.flatnonzero(km.labels == c)
+        d = ((x[members].astype(np.float64) - km.centroids[c].astype(np.float64)) ** 2).sum(1)
+        brute = set(members[np.argsort(-d, kind="stable")[: plan.stats["per_cluster"]]].tolist())
+        got = set(np.flatnonzero((plan.weights > 0) & (plan.cluster_labels == c)).tolist())
+        assert got == brute
+
+
+@pytest.mark.parametrize("method", ["farthest", "nearest", "random", "kcenter"])
+def test_pick_in_cluster_methods(method):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 3))
+    dist = (x**2).sum(1)
+    members = np.arange(0, 50, 2)
+    got = pick_in_cluster(members, dist, 7, method=method, features=x, rng=np.random.default_rng(1))
+    assert len(got) == 7 and len(set(got.tolist())) == 7 and set(got.tolist()) <= set(members.tolist())
+    if method == "nearest":
+        assert set(got.tolist()) == set(members[np.argsort(dist[members])[:7]].tolist())
+    if method == "kcenter":
+        # farthest-point traversal: each new point maximises the distance to the ones already picked
+        assert got[0] == members[np.argmax(dist[members])]
+        for j in range(2, 7):
+            gaps = np.min(((x[members][:, None] - x[got[:j]][None]) ** 2).sum(2), axis=1)
+            assert gaps.max() == pytest.approx(np.min(((x[got[j]] - x[got[:j]]) ** 2).sum(1)))
+
+
+def _paper_reimplementation(x: np.ndarray, k: int, ratio: float, seed: int):
+    """The authors' steps written out directly (DESIGN.md §1)."""
+    n = len(x)
+    xn = x / np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True) if k > 1 else x
+    km = capacity_kmeans(xn.astype(np.float32), k, max_size=math.ceil(1.5 * n / k), n_init=10, seed=seed)
+    sizes = np.bincount(km.labels, minlength=k)
+    m = int(sizes.min() * ratio)
+    picks, weights = [], np.zeros(n)
+    for c in range(k):
+        members = np.flatnonzero(km.labels == c)
+        order = sorted(members.tolist(), key=lambda i: (-float(km.distances[i]), i))
+        picks.append(np.array(order[:m]))
+        weights[order[:m]] = k * sizes[c] / n
+    return picks, weights, km.labels
+
+
+def test_paper_preset_matches_direct_reimplementation():
+    x = _mixture(400, d=16, k=3, seed=7) * 5.0
+    plan = select_from_features(x, world_size=3, ratio=0.31, preset="paper", seed=2)
+    picks, weights, labels = _paper_reimplementation(x, 3, 0.31, seed=2)
+    np.testing.assert_array_equal(plan.cluster_labels, labels)
+    for rank in range(3):
+        assert sorted(plan.rank_indices[rank].tolist()) == sorted(picks[rank].tolist())
+    np.testing.assert_allclose(plan.weights, weights, rtol=1e-12)
+    assert plan.n_selected < round(0.31 * 400) and "paper preset" in plan.stats["rounding"]
+
+
+def test_paper_preset_refuses_overrides():
+    with pytest.raises(ValueError, match="fixes allocation"):
+        select_from_features(_mixture(100), world_size=2, ratio=0.3, preset="paper", allocation="stratified")
+
+
+def test_stratified_allocation_gives_every_rank_every_cluster():
+    n = 600
+    plan = select_from_features(_mixture(n, k=3), world_size=2, ratio=0.3, clusters_per_rank=2,
+                                allocation="stratified", lengths=_lengths(n))
+    _check_plan_invariants(plan, n, 2)
+    counts = np.stack([np.bincount(plan.cluster_labels[r], minlength=4) for r in plan.rank_indices])
+    assert (np.abs(counts[0] - counts[1]) <= 1).all()
+    assert (counts > 0).all()
+
+
+def test_token_balance_orders_reduce_step_imbalance():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 1000, size=4000)
+    lists = [np.arange(r, 4000, 4) for r in range(4)]
+    plain = visit_order(lists, lengths, token_balance=False, seed=0)
+    balanced = visit_order(lists, lengths, token_balance=True, seed=0)
+    for a, b in zip(balanced, lists, strict=True):
+        assert sorted(a.tolist()) == sorted(b.tolist())
+
+    def worst(order, batch):
+        t = np.stack([lengths[o] for o in order])[:, : (1000 // batch) * batch].reshape(4, -1, batch).sum(2)
+        return float((t.max(0) / t.mean(0)).mean())
+
+    assert worst(balanced, 8) < 1.05 < worst(plain, 8)
+
+
+def test_allocate_cluster_per_rank_balances_tokens_over_several_clusters():
+    lengths = np.array([100] * 10 + [10] * 10 + [50] * 10 + [60] * 10)
+    groups = [np.arange(0, 10), np.arange(10, 20), np.arange(20, 30), np.arange(30, 40)]
+    ranks = allocate(groups, 2, lengths)
+    totals = sorted(int(lengths[r].sum()) for r in ranks)
+    assert totals == [1100, 1100]
+
+
+def test_deterministic_under_seed_and_seed_matters():
+    x = _mixture(300, seed=1)
+    a = select_from_features(x, world_size=3, ratio=0.2, seed=4, lengths=_lengths(300))
+    b = select_from_features(x, world_size=3, ratio=0.2, seed=4, lengths=_lengths(300))
+    for ra, rb in zip(a.rank_indices, b.rank_indices, strict=True):
+        np.testing.assert_array_equal(ra, rb)
+    np.testing.assert_array_equal(a.weights, b.weights)
+    c = select_from_features(x, world_size=3, ratio=0.2, seed=5, lengths=_lengths(300), within_cluster="random")
+    assert any(not np.array_equal(ra, rc) for ra, rc in zip(a.rank_indices, c.rank_indices, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0.3, "budget": 10}, "exactly one of ratio"),
+        ({"ratio": 1.5}, "ratio must be in"),
+        ({"budget": 1000}, "budget must be an int"),
+        ({"ratio": 0.01}, "less than one example"),
+        ({"ratio": 0.3, "within_cluster": "closest"}, "within_cluster must be one of"),
+        ({"ratio": 0.3, "max_cluster_size": "big"}, "max_cluster_size must be"),
+        ({"ratio": 0.3, "preset": "fast"}, "preset must be one of"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        select_from_features(_mixture(100), world_size=4, **kwargs)
+
+
+def test_select_end_to_end_with_a_tiny_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(64):
+        t = int(rng.integers(6, 30))
+        ids = rng.integers(0, 97, size=t).astype(np.int64)
+        labels = ids.copy()
+        labels[: t // 2] = -100
+        data.append({"input_ids": ids, "labels": labels})
+    plan, feats = select(model, data, world_size=2, ratio=0.25, dim=16, progress=False, return_features=True)
+    assert feats.shape == (64, 16)
+    _check_plan_invariants(plan, 64, 2)
+    assert plan.n_selected == 16 and set(plan.timings) >= {"features", "kmeans", "picks", "total"}
+    plan.save(tmp_path / "plan")
+    from clusterlm.plan import Plan
+
+    loaded = Plan.load(tmp_path / "plan")
+    loaded.verify(data, world_size=2)
+    with pytest.raises(ValueError, match="world size"):
+        loaded.verify(data, world_size=4)
+    data[3] = {"input_ids": data[3]["input_ids"][:-1], "labels": data[3]["labels"][:-1]}
+    with pytest.raises(ValueError):
+        loaded.verify(data)
+    again = select(model, [dict(d) for d in data], world_size=2, ratio=0.25, dim=16, progress=False)
+    assert again.fingerprint != plan.fingerprint
+
+
+def test_rebalance_tokens_equalises_ranks_and_only_touches_the_boundary():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(20, 600, size=3000)
+    lengths[1500:] = lengths[1500:] * 9 // 10  # cluster 1 holds somewhat shorter examples
+    picks = [np.arange(0, 1500)[rng.permutation(1500)][:330], np.arange(1500, 3000)[rng.permutation(1500)][:330]]
+    groups, pools = [p[:300] for p in picks], [p[300:] for p in picks]
+    new, info = rebalance_tokens(groups, pools, [0, 1], lengths, 2, [30, 30])
+    before = [int(lengths[g].sum()) for g in groups]
+    after = [int(lengths[g].sum()) for g in new]
+    assert abs(after[0] - after[1]) < abs(before[0] - before[1]) / 3
+    assert info["rank_tokens_after"] == after
+    for g, n, p in zip(groups, new, picks, strict=True):
+        assert len(n) == len(g) and len(set(n.tolist())) == len(n)
+        np.testing.assert_array_equal(n[:270], g[:270])  # the 270 first picks never move
+        assert set(n.tolist()) <= set(p.tolist())
+
+
+def test_default_preset_token_balance_evens_rank_totals():
+    n = 1200
+    x = _mixture(n, k=2, seed=11)
+    lengths = np.where(x[:, 0] > np.median(x[:, 0]), 300, 100) + _lengths(n) // 10  # length tied to a cluster
+    plain = select_from_features(x, world_size=2, ratio=0.3, lengths=lengths, token_balance_slack=0.0)
+    balanced = select_from_features(x, world_size=2, ratio=0.3, lengths=lengths)
+    assert (balanced.stats["token_balance"]["rank_tokens_max_over_mean"]
+            < plain.stats["token_balance"]["rank_tokens_max_over_mean"])
+    np.testing.assert_array_equal(np.bincount(balanced.cluster_labels[balanced.weights > 0]),
+                                  np.bincount(plain.cluster_labels[plain.weights > 0]))
