@@ -15,6 +15,8 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,8 +46,125 @@ def _dim_arg(value: str) -> int | tuple[int, int]:
     return int(value)
 
 
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _select_argv_for_ranks(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` (the launcher's option, not the ranks')."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def launch_select(argv: list[str], nproc: int) -> int:
+    """Run ``clusterlm select`` on ``nproc`` processes through torch's launcher (``-m clusterlm.select``)."""
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank unless the user asks otherwise
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "clusterlm.select", *argv]
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def _run_select_distributed(args: argparse.Namespace) -> Any:
+    """One rank of ``torchrun -m clusterlm.select``: sharded features, distributed K-means, plan on rank 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
+    from clusterlm.data import load_data
+    from clusterlm.distributed import barrier, featurize_sharded, init_distributed
+    from clusterlm.models import load_model
+    from clusterlm.report import draw_report, save_report_data
+    from clusterlm.select import PRESETS, _l2_normalise, build_featurizer, select_from_features
+    from clusterlm.store import FeatureStore
+
+    info = init_distributed()
+    main_rank = info.rank == 0
+    show = main_rank and not args.no_progress
+    out = Path(args.out)
+    if args.preset not in PRESETS:
+        raise ValueError(f"select: preset must be one of {PRESETS}, got {args.preset!r}.")
+    features = args.features or ("paper" if args.preset == "paper" else "lm_head")
+    t0 = _stage("1/4", f"model {args.model} on {info.world_size} processes") if main_rank else time.perf_counter()
+    model, tokenizer, model_id = load_model(args.model)
+    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=show)
+    store_dir = Path(args.feature_store) if args.feature_store else out / "features"
+    if main_rank:
+        _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
+    featurizer = build_featurizer(model, features, dim=args.dim, seed=args.seed)
+    t1 = time.perf_counter()
+    part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
+                             batch_tokens=args.batch_tokens, progress=show)
+    x_local = part.local()
+    timings = {"features": time.perf_counter() - t1}
+
+    def clustering(n_clusters: int, *, min_size: Any, max_size: Any, n_init: int, max_iter: int, seed: int,
+                   l2_normalize: bool) -> Any:
+        xl = _l2_normalise(x_local) if l2_normalize else x_local  # per row: the same as normalising globally
+        # init_sample_size = N: k-means++ on all rows, so the plan equals the single-process one
+        res = distributed_capacity_kmeans(xl, n_clusters, min_size=min_size, max_size=max_size, n_init=n_init,
+                                          max_iter=max_iter, seed=seed, init_sample_size=len(data), progress=show)
+        return SimpleNamespace(labels=allgather_rows(np.asarray(res.labels, dtype=np.int64)),
+                               distances=allgather_rows(np.asarray(res.distances, dtype=np.float64)),
+                               inertia=res.inertia, n_iter=res.n_iter, converged=res.converged)
+
+    full = FeatureStore(store_dir).features()
+    plan = select_from_features(
+        full, world_size=args.world_size, lengths=data.lengths, ratio=args.ratio, budget=args.budget,
+        preset=args.preset, seed=args.seed, max_cluster_size=args.max_cluster_size,
+        min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
+        token_balance=None if args.token_balance is None else args.token_balance == "on",
+        clusters_per_rank=args.clusters_per_rank, fingerprint=data.fingerprint(), model_id=model_id,
+        timings=timings, clustering=clustering,
+        extra_config={"features": featurizer.config() | {"layers_preset": features},
+                      "selection_processes": info.world_size},
+    )
+    plan.config["data"] = {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
+                           "format": data.format}
+    if main_rank:
+        _stage("3/4", f"writing {out}/plan.json, plan.npz")
+        plan.save(out)
+        save_report_data(out, full, seed=args.seed)
+        _stage("4/4", f"drawing {out}/report.png")
+        draw_report(out, plan)
+        print()
+        print(plan.summary())
+        print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}  "
+              f"[{time.perf_counter() - t0:.1f} s]")
+    barrier()
+    return plan
+
+
 def run_select(args: argparse.Namespace) -> Any:
-    """Load model and data, select, save the plan and its report; returns the plan."""
+    """Load model and data, select, save the plan and its report; returns the plan.
+
+    ``--nproc N`` (N > 1) re-launches the command on N processes through ``torch.distributed.run``; under
+    torchrun (``torchrun -m clusterlm.select ...``) every process featurizes its shard of the data into
+    one feature store and the K-means runs distributed (:func:`cluster_kernels.distributed_capacity_kmeans`);
+    rank 0 writes the plan. The plan is the same as the single-process one.
+    """
+    if all(k in os.environ for k in _TORCHRUN_ENV) and int(os.environ["WORLD_SIZE"]) > 1:
+        return _run_select_distributed(args)
+    if getattr(args, "nproc", 1) > 1:
+        argv = _select_argv_for_ranks(args, args.argv) if getattr(args, "argv", None) else None
+        if argv is None:
+            raise ValueError("select: --nproc needs the command line (use `clusterlm select ... --nproc N`).")
+        rc = launch_select(argv, args.nproc)
+        if rc != 0:
+            raise RuntimeError(f"select: the {args.nproc} selection processes failed (exit status {rc}); see above.")
+        from clusterlm.plan import Plan
+
+        return Plan.load(args.out)
     from clusterlm.data import load_data
     from clusterlm.models import load_model
     from clusterlm.report import draw_report, save_report_data
@@ -153,6 +272,9 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=1024, help="truncate examples to this many tokens")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per featurization forward")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="selection processes on this machine (torch.distributed.run; sharded features and "
+                   "distributed K-means; the plan is the same as with 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # the subcommand's own arguments, for --nproc re-launches
     return args.func(args)
 
 

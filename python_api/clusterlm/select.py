@@ -39,8 +39,9 @@ every rank, DDP's gradient average estimates the full-data gradient ``sum_c (n_c
 from __future__ import annotations
 
 import math
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,16 @@ import numpy as np
 from clusterlm.allocation import ALLOCATIONS, allocate, cluster_owners, rebalance_tokens, visit_order
 from clusterlm.plan import Plan, selection_weights
 
-__all__ = ["PRESETS", "WITHIN_CLUSTER", "pick_in_cluster", "resolve_budget", "select", "select_from_features"]
+__all__ = [
+    "PRESETS",
+    "WITHIN_CLUSTER",
+    "build_featurizer",
+    "main",
+    "pick_in_cluster",
+    "resolve_budget",
+    "select",
+    "select_from_features",
+]
 
 PRESETS = ("default", "paper")
 WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
@@ -244,6 +254,7 @@ def select_from_features(
     model_id: str = "",
     timings: Mapping[str, float] | None = None,
     extra_config: Mapping[str, Any] | None = None,
+    clustering: Callable[..., Any] | None = None,
 ) -> Plan:
     """Cluster fixed per-example features and build the :class:`Plan` (steps 2-4 of the method).
 
@@ -275,6 +286,9 @@ def select_from_features(
         model_id: recorded in the plan.
         timings: earlier stage timings (e.g. features) to record with this call's.
         extra_config: more configuration to record.
+        clustering: replaces the in-process K-means (used by the distributed selection):
+            ``clustering(n_clusters, *, min_size, max_size, n_init, max_iter, seed, l2_normalize)`` returning
+            an object with ``labels`` and ``distances`` for all N rows, ``inertia``, ``n_iter``, ``converged``.
 
     Returns:
         The Plan (per-rank indices of equal length, weights, labels, distances, statistics).
@@ -324,7 +338,7 @@ def select_from_features(
                 )
         if ratio is None:
             ratio = requested / n  # the authors' code takes a ratio; a budget is converted to one
-        if world_size > 1:
+        if world_size > 1 and clustering is None:
             x = _l2_normalise(x)
         lo, hi = None, math.ceil(PAPER_CAP * n / n_clusters)
         n_init = PAPER_N_INIT if n_init is None else n_init
@@ -342,8 +356,12 @@ def select_from_features(
         token_balance = True if token_balance is None else token_balance
 
     t0 = time.perf_counter()
-    km = capacity_kmeans(x, n_clusters, min_size=lo, max_size=hi, n_init=int(n_init), max_iter=int(max_iter),
-                         seed=int(seed), backend=kmeans_backend)
+    if clustering is None:
+        km = capacity_kmeans(x, n_clusters, min_size=lo, max_size=hi, n_init=int(n_init), max_iter=int(max_iter),
+                             seed=int(seed), backend=kmeans_backend)
+    else:
+        km = clustering(n_clusters, min_size=lo, max_size=hi, n_init=int(n_init), max_iter=int(max_iter),
+                        seed=int(seed), l2_normalize=preset == "paper" and world_size > 1)
     stage["kmeans"] = time.perf_counter() - t0
     labels = np.asarray(km.labels, dtype=np.int64)
     dist = np.asarray(km.distances, dtype=np.float64)
@@ -449,6 +467,18 @@ def select_from_features(
 # ---------------------------------------------------------------------------------------------------
 
 
+def build_featurizer(model: Any, features: str | Sequence[str], *, dim: Any = None, seed: int = 0, dtype: Any = None
+                     ) -> Any:
+    """The :class:`clusterlm.GradientFeaturizer` that :func:`select` uses for ``features``."""
+    from clusterlm.features import GradientFeaturizer
+
+    if features == "paper":
+        # The paper normalises in the selection step (only when world_size > 1); keep raw features here.
+        return GradientFeaturizer(model, layers="paper", seed=seed, dtype=dtype, normalize=False)
+    return GradientFeaturizer(model, layers=features, dim=DEFAULT_DIM if dim is None else dim, seed=seed,
+                              dtype=dtype, normalize=True)
+
+
 def _model_id(model: Any, featurizer: Any) -> str:
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return f"{name}@{featurizer.config()['model'][:12]}"
@@ -513,8 +543,6 @@ def select(
     Raises:
         ValueError / TypeError: bad arguments (named, with the fix); malformed examples (named by index).
     """
-    from clusterlm.features import GradientFeaturizer
-
     if preset not in PRESETS:
         raise ValueError(f"select: preset must be one of {PRESETS}, got {preset!r}.")
     if features is None:
@@ -529,12 +557,7 @@ def select(
         raise ValueError("select: the data set is empty.")
     resolve_budget(n, ratio, budget)  # fail on bad budgets before the expensive stage
     _check_int(world_size, "world_size")
-    if features == "paper":
-        # The paper normalises in the selection step (only when world_size > 1); keep raw features here.
-        featurizer = GradientFeaturizer(model, layers="paper", seed=seed, dtype=dtype, normalize=False)
-    else:
-        featurizer = GradientFeaturizer(model, layers=features, dim=DEFAULT_DIM if dim is None else dim, seed=seed,
-                                        dtype=dtype, normalize=True)
+    featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype)
     t0 = time.perf_counter()
     feats = featurizer.featurize(dataset, batch_tokens=batch_tokens, store=feature_store, progress=progress)
     timings = {"features": time.perf_counter() - t0}
@@ -563,3 +586,16 @@ def select(
                                                          else list(features)}},
     )
     return (plan, np.asarray(feats)) if return_features else plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``torchrun --nproc-per-node N -m clusterlm.select ARGS``: the arguments of ``clusterlm select``."""
+    from clusterlm.cli import build_parser, run_select
+
+    args = build_parser().parse_args(["select", *(sys.argv[1:] if argv is None else argv)])
+    run_select(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
