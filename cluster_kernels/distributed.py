@@ -84,8 +84,10 @@ from cluster_kernels.kmeans import (
     SplitMix64,
     _bounds,
     _cheapest_dummy_object,
+    _check_int,
     _check_k,
     _check_metric,
+    _check_tol,
     _Objects,
     run_seed,
 )
@@ -1066,12 +1068,6 @@ def _as_local_array(x: Any) -> np.ndarray:
     return x
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{OP}: {name} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
-
-
 def _progress(enabled: bool, total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
@@ -1331,11 +1327,10 @@ def distributed_capacity_kmeans(
     if x.ndim != 2:
         raise ValueError(f"{OP}: x_local must be 2-D (n_local, d), got shape {x.shape}; reshape it.")
     _check_metric(metric, OP)
-    n_init = _check_int(n_init, "n_init", 1)
-    max_iter = _check_int(max_iter, "max_iter", 1)
-    n_candidates = _check_int(n_candidates, "n_candidates", 1)
-    if not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and tol >= 0):
-        raise ValueError(f"{OP}: tol must be a float >= 0, got {tol!r}.")
+    n_init = _check_int(n_init, "n_init", 1, OP)
+    max_iter = _check_int(max_iter, "max_iter", 1, OP)
+    n_candidates = _check_int(n_candidates, "n_candidates", 1, OP)
+    tol = _check_tol(tol, OP)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"{OP}: k must be an int, got {type(k).__name__} {k!r}.")
     comm = _Comm(group)
@@ -1358,10 +1353,10 @@ def distributed_capacity_kmeans(
     lo, hi = _bounds(min_size, max_size, k, n_total, OP)
     if chunk_rows is None:
         chunk_rows = max(1024, CHUNK_BYTES // max(1, 8 * d))
-    chunk_rows = _check_int(chunk_rows, "chunk_rows", 1)
+    chunk_rows = _check_int(chunk_rows, "chunk_rows", 1, OP)
     if init_sample_size is None:
         init_sample_size = min(n_total, SAMPLE_PER_CLUSTER * k)
-    init_sample_size = _check_int(init_sample_size, "init_sample_size", k)
+    init_sample_size = _check_int(init_sample_size, "init_sample_size", k, OP)
     init_t = None
     if not isinstance(init, str):
         init_t = torch.as_tensor(np.asarray(init.detach().cpu() if isinstance(init, torch.Tensor) else init),

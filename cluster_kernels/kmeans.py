@@ -168,6 +168,18 @@ def _check_k(k: Any, n: int, op: str) -> int:
     return k
 
 
+def _check_int(value: Any, name: str, minimum: int, op: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{op}: {name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _check_tol(tol: Any, op: str) -> float:
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
+        raise ValueError(f"{op}: tol must be a float >= 0, got {tol!r}.")
+    return float(tol)
+
+
 def _check_metric(metric: str, op: str) -> None:
     if metric not in METRICS:
         raise ValueError(f"{op}: metric must be one of {METRICS}, got {metric!r}.")
@@ -723,12 +735,9 @@ def capacity_kmeans(
     k = _check_k(k, n, op)
     _check_metric(metric, op)
     lo, hi = _bounds(min_size, max_size, k, n, op)
-    if isinstance(n_init, bool) or not isinstance(n_init, (int, np.integer)) or n_init < 1:
-        raise ValueError(f"{op}: n_init must be an int >= 1, got {n_init!r}.")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
-        raise ValueError(f"{op}: max_iter must be an int >= 1, got {max_iter!r}.")
-    if not (isinstance(tol, (int, float)) and tol >= 0):
-        raise ValueError(f"{op}: tol must be a float >= 0, got {tol!r}.")
+    n_init = _check_int(n_init, "n_init", 1, op)
+    max_iter = _check_int(max_iter, "max_iter", 1, op)
+    tol = _check_tol(tol, op)
     init_t = None
     if isinstance(init, str):
         if init != "k-means++":

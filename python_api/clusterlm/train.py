@@ -754,7 +754,7 @@ def _fsync_write(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def save_checkpoint(out: Path, state: dict[str, Any], step: int, keep: int) -> Path:
-    """Atomically write ``ckpt/step_XXXXXXX.pt``, point ``ckpt/latest`` at it, keep the newest ``keep``."""
+    """Atomically write ``ckpt/step_<step, 7 digits>.pt``, point ``ckpt/latest`` at it, keep the newest ``keep``."""
     ckpt_dir = out / CKPT_DIR
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step_{step:07d}.pt"
