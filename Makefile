@@ -36,7 +36,7 @@ bench: install
 
 # The end-to-end selection benchmark (all methods through the trainer, 3 seeds): over an hour on 2 cores.
 bench-compare: install
-	$(PY) benchmarks/bench_compare.py --epochs 3
+	$(PY) benchmarks/bench_compare.py
 	$(PY) benchmarks/render_benchmarks.py
 
 lint: install

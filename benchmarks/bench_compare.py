@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--methods", default="full,random,cluster,cluster-paper,s2l,ifd,less")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_compare(cargs)
     summary = result["summary"]
     n_train = result["records"][0]["n_examples"] if result["records"] else 0
-    cols = ["method", "fraction", "selection s", "training s", "total s", "held-out loss", "seeds"]
-    rows = [[m, round(r["fraction"], 4), f"{r['selection_s']:.2f} ± {r['selection_s_std']:.2f}",
+    cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss", "seeds"]
+    rows = [[m, round(r["fraction"], 4), f"{r['tokens']:,.0f}", f"{r['selection_s']:.2f} ± {r['selection_s_std']:.2f}",
              f"{r['train_s']:.1f} ± {r['train_s_std']:.1f}", f"{r['total_s']:.1f} ± {r['total_s_std']:.1f}",
              f"{r['eval_loss']:.4f} ± {r['eval_loss_std']:.4f}", r["seeds"]] for m, r in summary.items()]
     stage_rows = []

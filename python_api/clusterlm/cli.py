@@ -39,6 +39,15 @@ def _size_arg(value: str) -> int | str | None:
     return value
 
 
+def _feature_tokens_arg(value: str) -> int | str:
+    """Feature window: an int >= 2 or 'all' (whole examples)."""
+    if value.lower() == "all":
+        return "all"
+    if value.isdigit() and int(value) >= 2:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected an int >= 2 or 'all', got {value!r}")
+
+
 def _dim_arg(value: str) -> int | tuple[int, int]:
     if "x" in value:
         k_o, k_i = value.split("x", 1)
@@ -85,7 +94,7 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     from clusterlm.distributed import barrier, featurize_sharded, init_distributed
     from clusterlm.models import load_model
     from clusterlm.report import draw_report, save_report_data
-    from clusterlm.select import PRESETS, _l2_normalise, build_featurizer, select_from_features
+    from clusterlm.select import PRESETS, _l2_normalise, build_featurizer, resolve_feature_tokens, select_from_features
     from clusterlm.store import FeatureStore
 
     info = init_distributed()
@@ -101,7 +110,8 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     store_dir = Path(args.feature_store) if args.feature_store else out / "features"
     if main_rank:
         _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
-    featurizer = build_featurizer(model, features, dim=args.dim, seed=args.seed)
+    featurizer = build_featurizer(model, features, dim=args.dim, seed=args.seed,
+                                  max_tokens=resolve_feature_tokens(args.preset, args.feature_tokens))
     t1 = time.perf_counter()
     part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
                              batch_tokens=args.batch_tokens, progress=show)
@@ -180,7 +190,8 @@ def run_select(args: argparse.Namespace) -> Any:
     _stage("2/4", f"gradient features ({args.features or 'preset default'}) + K-means, world size {args.world_size}")
     plan, feats = select(
         model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget, preset=args.preset,
-        features=args.features, dim=args.dim, seed=args.seed, max_cluster_size=args.max_cluster_size,
+        features=args.features, dim=args.dim, feature_tokens=args.feature_tokens, seed=args.seed,
+        max_cluster_size=args.max_cluster_size,
         min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
         clusters_per_rank=args.clusters_per_rank, feature_store=args.feature_store, progress=not args.no_progress,
@@ -261,6 +272,9 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("default", "paper"), default="default")
     p.add_argument("--features", default=None, help="lm_head | paper | all-linear | lora (default: the preset's)")
     p.add_argument("--dim", type=_dim_arg, default=None, help="projected feature size: 1024 or 32x32 (default)")
+    p.add_argument("--feature-tokens", type=_feature_tokens_arg, default=None,
+                   help="feature window: tokens per example the features look at (answer start + some prompt), or "
+                   "'all'; default: 64 (--preset default), all (--preset paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-cluster-size", type=_size_arg, default="1.5x", help="int, '<f>x' of N/C, or none")
     p.add_argument("--min-cluster-size", type=_size_arg, default="budget", help="int, 'budget', or none")

@@ -213,7 +213,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     key = _key(settings)
     state_path = out / STATE
     done = {(r["method"], r["seed"]): r for r in _read_state(state_path) if r.get("key") == key}
-    todo = [(m, s) for m in args.methods for s in args.seeds if (m, s) not in done]
+    # Seed-major: an interrupted run has every method at its first seeds, not some methods at none.
+    todo = [(m, s) for s in args.seeds for m in args.methods if (m, s) not in done]
     say = print
     say(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s); {len(done)} done earlier "
         f"(in {state_path}), {len(todo)} to run")
@@ -293,14 +294,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
-    """Per method: mean and std over seeds of selection / training / total seconds and held-out loss."""
+    """Per method: mean and std over seeds of selection / training / total seconds, held-out loss, tokens trained."""
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         rs = [r for r in records if r["method"] == m]
         if not rs:
             continue
         row: dict[str, Any] = {"seeds": len(rs), "fraction": float(np.mean([r["fraction"] for r in rs]))}
-        for field in ("selection_s", "train_s", "total_s", "eval_loss"):
+        for field in ("selection_s", "train_s", "total_s", "eval_loss", "tokens"):
             row[field], row[f"{field}_std"] = _mean_std([r[field] for r in rs])
         out[m] = row
     return out
@@ -330,13 +331,14 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The comparison as a markdown table (mean ± std over seeds)."""
     lines = [f"Comparison at ratio {result['settings']['ratio']}, world size {result['settings']['world_size']}, "
              f"model {result['settings']['model']}, seeds {result['seeds']}.", "",
-             "| method | fraction | selection s | training s | total s | held-out loss |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| method | fraction | tokens trained | selection s | training s | total s | held-out loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     def pm(row: dict[str, Any], f: str, digits: int) -> str:
         return f"{row[f]:.{digits}f} ± {row[f + '_std']:.{digits}f}"
 
     for m, row in result["summary"].items():
-        lines.append(f"| {m} | {row['fraction']:.3f} | {pm(row, 'selection_s', 2)} | {pm(row, 'train_s', 1)} | "
+        lines.append(f"| {m} | {row['fraction']:.3f} | {row['tokens']:,.0f} | {pm(row, 'selection_s', 2)} | "
+                     f"{pm(row, 'train_s', 1)} | "
                      f"{pm(row, 'total_s', 1)} | {pm(row, 'eval_loss', 4)} |")
     if result.get("goals"):
         lines += ["", "| ratio | value |", "|---|---:|"]

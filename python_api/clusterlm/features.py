@@ -25,6 +25,13 @@ padding. The lm head is never run on the full sequence: a pre-hook hands it an e
 loss gradient ``W^T (p_t - e_{y_t}) / n_b`` w.r.t. the last hidden state is computed in token chunks
 (``(chunk, V)`` logits at most), so no ``(B, T, V)`` logits tensor exists.
 
+Feature window (``max_tokens``). A selection feature needs the direction of an example's gradient, not
+every token of it, and the forward pass over all tokens is the whole cost of featurization. With
+``max_tokens=T`` each example is cut, before anything runs, to a window of at most ``T`` tokens: its
+first answer tokens, preceded by up to ``T // 4`` (at least 1) prompt tokens just before the answer (more
+when the answer is shorter than the rest of the window); the feature is the gradient of the mean
+answer loss inside the window. ``None`` featurizes whole examples (the paper's proxy does).
+
 Examples whose labels (after the causal shift) are all ``-100`` are refused with a ``ValueError``
 naming the example's index (their mean loss is undefined); nothing of their shard is written.
 """
@@ -161,6 +168,26 @@ def _known_length(data: Any) -> int | None:
         return None
 
 
+def feature_window(labels: np.ndarray, max_tokens: int) -> tuple[int, int]:
+    """The ``[lo, hi)`` token window that a ``max_tokens`` feature looks at (module docstring).
+
+    Args:
+        labels: (T,) int labels, -100 on prompt tokens, with at least one answer label after position 0.
+        max_tokens: window length, >= 2.
+
+    Returns:
+        ``(lo, hi)`` with ``hi - lo == min(T, max_tokens)`` and at least one answer label in
+        ``labels[lo + 1:hi]`` (position ``lo`` predicts nothing once the window starts there).
+    """
+    t = len(labels)
+    if t <= max_tokens:
+        return 0, t
+    first = 1 + int(np.argmax(labels[1:] != IGNORE_INDEX))  # the first answer token
+    lo = max(0, first - max(1, max_tokens // 4))
+    hi = min(t, lo + max_tokens)
+    return max(0, hi - max_tokens), hi  # a short answer leaves room for more prompt
+
+
 def _data_sha256(examples: list[tuple[np.ndarray, np.ndarray]]) -> str:
     return fingerprint(examples)["sha256"]
 
@@ -184,6 +211,8 @@ class GradientFeaturizer:
         projection: ``"rademacher"`` or ``"gaussian"`` entries.
         backend: kernel backend passed to the ``cluster_kernels`` ops (``"auto"`` picks Triton on CUDA).
         max_chunk_elems: logits alive at once when computing the lm-head gradient (memory bound).
+        max_tokens: feature window: at most this many tokens per example (the answer's start with a
+            little prompt context; module docstring), or None for whole examples. Must be >= 2.
 
     Raises:
         TypeError / ValueError: no usable lm head, unknown layer names (the message lists the available
@@ -202,6 +231,7 @@ class GradientFeaturizer:
         projection: str = "rademacher",
         backend: str = "auto",
         max_chunk_elems: int = 1 << 22,
+        max_tokens: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientFeaturizer: model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -209,7 +239,14 @@ class GradientFeaturizer:
             raise ValueError(f"GradientFeaturizer: projection must be one of {PROJECTION_KINDS}, got {projection!r}.")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"GradientFeaturizer: dtype must be None or a floating torch.dtype, got {dtype!r}.")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 2):
+            raise ValueError(
+                f"GradientFeaturizer: max_tokens must be None (whole examples) or an int >= 2 (the feature "
+                f"window), got {max_tokens!r}."
+            )
         self.model = model
+        self.max_tokens = max_tokens
         self.seed = int(seed)
         self.dtype = dtype
         self.normalize = bool(normalize)
@@ -323,6 +360,7 @@ class GradientFeaturizer:
             "projection": self.projection,
             "normalize": self.normalize,
             "dtype": str(self.dtype),
+            "max_tokens": self.max_tokens,
             "model": self._model_fingerprint(),
         }
 
@@ -430,6 +468,9 @@ class GradientFeaturizer:
                 "are -100 (labels[0] predicts nothing in a causal LM), so its mean loss and gradient are undefined. "
                 "Drop the example or unmask at least one answer token."
             )
+        if self.max_tokens is not None and len(ids) > self.max_tokens:
+            lo, hi = feature_window(labels, self.max_tokens)
+            ids, labels = ids[lo:hi], labels[lo:hi]
         return ids, labels
 
     def _run_batch(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:

@@ -23,8 +23,11 @@ Two presets.
 The selected total is therefore ``K * int(m * ratio)``, usually below ``ratio * N`` (the authors'
 behaviour; :attr:`Plan.stats` states the shortfall).
 
-``preset="default"`` is our method: projected full last-layer gradients (``features="lm_head"``),
-exact capacities with every cluster at least the per-rank budget (``min_cluster_size="budget"``) and
+``preset="default"`` is our method: projected full last-layer gradients (``features="lm_head"``)
+over a feature window of the first ``feature_tokens=64`` answer tokens with a little prompt context
+(:class:`clusterlm.GradientFeaturizer` ``max_tokens``: ~3.3x faster featurization on the demo data,
+which is the whole selection cost; ``feature_tokens="all"`` featurizes whole examples), exact
+capacities with every cluster at least the per-rank budget (``min_cluster_size="budget"``) and
 at most ``1.5 N / C``, so the requested ``ratio``/``budget`` is met exactly up to a multiple of
 ``world_size * clusters_per_rank`` (the rounding is stated in :attr:`Plan.stats`), and token balance
 (:mod:`clusterlm.allocation`): equal rank token totals by exchanging at most ``token_balance_slack``
@@ -56,6 +59,7 @@ __all__ = [
     "main",
     "pick_in_cluster",
     "resolve_budget",
+    "resolve_feature_tokens",
     "select",
     "select_from_features",
 ]
@@ -63,6 +67,8 @@ __all__ = [
 PRESETS = ("default", "paper")
 WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
 DEFAULT_DIM = (32, 32)
+# The default preset's feature window (tokens per example; benchmarks/bench_compare.py measures it).
+DEFAULT_FEATURE_TOKENS = 64
 # Token balancing may exchange up to this fraction of each cluster's pick (its last, least-far members)
 # for the next candidates in pick order, so that every rank trains on about the same number of tokens.
 TOKEN_BALANCE_SLACK = 0.1
@@ -467,16 +473,40 @@ def select_from_features(
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_featurizer(model: Any, features: str | Sequence[str], *, dim: Any = None, seed: int = 0, dtype: Any = None
-                     ) -> Any:
+def resolve_feature_tokens(preset: str, feature_tokens: int | str | None) -> int | None:
+    """The featurizer's ``max_tokens`` for ``feature_tokens`` under ``preset`` (None = whole examples).
+
+    Raises:
+        ValueError: ``feature_tokens`` is not None, ``"all"`` or an int >= 2; a window with the paper preset.
+    """
+    if feature_tokens is None:
+        return None if preset == "paper" else DEFAULT_FEATURE_TOKENS
+    if feature_tokens == "all":
+        return None
+    if isinstance(feature_tokens, bool) or not isinstance(feature_tokens, int) or feature_tokens < 2:
+        raise ValueError(
+            f"select: feature_tokens must be None (the preset's default), 'all' (whole examples) or an int >= 2, "
+            f"got {feature_tokens!r}."
+        )
+    if preset == "paper":
+        raise ValueError(
+            f"select: preset='paper' featurizes whole examples (the authors' proxy), got feature_tokens="
+            f"{feature_tokens}; use preset='default' for a feature window."
+        )
+    return feature_tokens
+
+
+def build_featurizer(model: Any, features: str | Sequence[str], *, dim: Any = None, seed: int = 0, dtype: Any = None,
+                     max_tokens: int | None = None) -> Any:
     """The :class:`clusterlm.GradientFeaturizer` that :func:`select` uses for ``features``."""
     from clusterlm.features import GradientFeaturizer
 
     if features == "paper":
         # The paper normalises in the selection step (only when world_size > 1); keep raw features here.
-        return GradientFeaturizer(model, layers="paper", seed=seed, dtype=dtype, normalize=False)
+        return GradientFeaturizer(model, layers="paper", seed=seed, dtype=dtype, normalize=False,
+                                  max_tokens=max_tokens)
     return GradientFeaturizer(model, layers=features, dim=DEFAULT_DIM if dim is None else dim, seed=seed,
-                              dtype=dtype, normalize=True)
+                              dtype=dtype, normalize=True, max_tokens=max_tokens)
 
 
 def _model_id(model: Any, featurizer: Any) -> str:
@@ -494,6 +524,7 @@ def select(
     preset: str = "default",
     features: str | Sequence[str] | None = None,
     dim: int | tuple[int, int] | None = None,
+    feature_tokens: int | str | None = None,
     seed: int = 0,
     max_cluster_size: int | str | None = "1.5x",
     min_cluster_size: int | str | None = "budget",
@@ -525,6 +556,9 @@ def select(
             (default preset), ``"paper"`` (the paper preset's proxy), ``"all-linear"``, ``"lora"`` or
             module names.
         dim: projected feature size (int or ``(k_o, k_i)``; default ``(32, 32)``).
+        feature_tokens: feature window in tokens per example (:class:`clusterlm.GradientFeaturizer`
+            ``max_tokens``); None = the preset's (64 for ``"default"``, whole examples for ``"paper"``);
+            ``"all"`` = whole examples.
         seed: seeds projections, K-means, random picks and orders.
         max_cluster_size / min_cluster_size / within_cluster / allocation / token_balance /
             clusters_per_rank / token_balance_slack / n_init / max_iter / kmeans_backend: see
@@ -557,7 +591,8 @@ def select(
         raise ValueError("select: the data set is empty.")
     resolve_budget(n, ratio, budget)  # fail on bad budgets before the expensive stage
     _check_int(world_size, "world_size")
-    featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype)
+    max_tokens = resolve_feature_tokens(preset, feature_tokens)
+    featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype, max_tokens=max_tokens)
     t0 = time.perf_counter()
     feats = featurizer.featurize(dataset, batch_tokens=batch_tokens, store=feature_store, progress=progress)
     timings = {"features": time.perf_counter() - t0}

@@ -5,6 +5,8 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -378,3 +380,44 @@ def test_featurize_batch_equals_the_rows_of_featurize():
     assert isinstance(batch, torch.Tensor) and batch.dtype == torch.float32
     np.testing.assert_allclose(batch.numpy(), rows, atol=1e-6, rtol=0)
     assert feat.featurize_batch([]).shape == (0, 16)
+
+
+# ---- feature window ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.integers(1, 40), answer=st.integers(1, 40), max_tokens=st.integers(2, 50), holes=st.booleans()
+)
+def test_feature_window_keeps_the_answer_start_and_its_length(prompt, answer, max_tokens, holes):
+    labels = np.array([-100] * prompt + list(range(answer)), dtype=np.int64)
+    if holes and answer > 2:
+        labels[prompt + 1] = -100  # masked tokens inside the answer (multi-turn chats)
+    lo, hi = features_mod.feature_window(labels, max_tokens)
+    t = len(labels)
+    assert 0 <= lo < hi <= t and hi - lo == min(t, max_tokens)
+    assert (labels[lo + 1 : hi] != -100).any()  # at least one answer token is predicted inside
+    if t > max_tokens:
+        assert lo < prompt <= hi - 1  # the window holds the first answer token
+        assert prompt - lo <= max(1, max_tokens // 4) or hi == t  # more context only when the answer ran out
+
+
+def test_max_tokens_features_equal_the_features_of_the_cut_examples():
+    model = tiny_model("llama")
+    data = make_examples([30, 9, 17, 41, 6], seed=3, prompt_frac=0.4)
+    cut = []
+    for ex in data:
+        lo, hi = features_mod.feature_window(np.asarray(ex["labels"]), 12)
+        cut.append({"input_ids": ex["input_ids"][lo:hi], "labels": ex["labels"][lo:hi]})
+    windowed = GradientFeaturizer(model, layers="lm_head", dim=(4, 4), max_tokens=12)
+    whole = GradientFeaturizer(model, layers="lm_head", dim=(4, 4))
+    a = windowed.featurize(data, progress=False)
+    np.testing.assert_allclose(a, whole.featurize(cut, progress=False), atol=1e-6, rtol=0)
+    assert np.abs(a - whole.featurize(data, progress=False)).max() > 1e-3  # the window does change long examples
+    assert windowed.config()["max_tokens"] == 12 and whole.config()["max_tokens"] is None
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2.5, True, "64"])
+def test_bad_max_tokens_is_refused(bad):
+    with pytest.raises(ValueError, match="max_tokens must be None"):
+        GradientFeaturizer(tiny_model("llama"), layers="lm_head", dim=4, max_tokens=bad)

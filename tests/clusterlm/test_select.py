@@ -270,3 +270,43 @@ def test_default_preset_token_balance_evens_rank_totals():
             < plain.stats["token_balance"]["rank_tokens_max_over_mean"])
     np.testing.assert_array_equal(np.bincount(balanced.cluster_labels[balanced.weights > 0]),
                                   np.bincount(plain.cluster_labels[plain.weights > 0]))
+
+
+def test_feature_tokens_resolve_per_preset():
+    from clusterlm.select import DEFAULT_FEATURE_TOKENS, resolve_feature_tokens
+
+    assert resolve_feature_tokens("default", None) == DEFAULT_FEATURE_TOKENS
+    assert resolve_feature_tokens("paper", None) is None
+    assert resolve_feature_tokens("default", "all") is None and resolve_feature_tokens("paper", "all") is None
+    assert resolve_feature_tokens("default", 7) == 7
+    with pytest.raises(ValueError, match="preset='paper' featurizes whole examples"):
+        resolve_feature_tokens("paper", 64)
+    for bad in (1, 0, 3.5, True, "some"):
+        with pytest.raises(ValueError, match="feature_tokens must be"):
+            resolve_feature_tokens("default", bad)
+
+
+def test_select_records_the_feature_window_and_all_means_whole_examples():
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=53, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg)
+    rng = np.random.default_rng(2)
+    data = []
+    for _ in range(24):
+        t = int(rng.integers(20, 90))
+        ids = rng.integers(0, 53, size=t).astype(np.int64)
+        labels = ids.copy()
+        labels[: t // 3] = -100
+        data.append({"input_ids": ids, "labels": labels})
+    windowed, fw = select(model, data, world_size=2, ratio=0.5, dim=8, progress=False, return_features=True)
+    whole, fa = select(model, data, world_size=2, ratio=0.5, dim=8, feature_tokens="all", progress=False,
+                       return_features=True)
+    assert windowed.config["features"]["max_tokens"] == 64 and whole.config["features"]["max_tokens"] is None
+    long = [i for i, d in enumerate(data) if len(d["input_ids"]) > 64]
+    short = [i for i, d in enumerate(data) if len(d["input_ids"]) <= 64]
+    assert long and short
+    np.testing.assert_allclose(fw[short], fa[short], atol=1e-6)
+    assert np.abs(fw[long] - fa[long]).max() > 1e-3
