@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=0.31)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--methods", default="full,random,cluster,cluster-paper,s2l,ifd,less")
+    p.add_argument("--methods", default="full,random,cluster,cluster-whole,cluster-paper,s2l,ifd,less")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--micro-batch-size", type=int, default=8)
