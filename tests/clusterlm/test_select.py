@@ -209,22 +209,29 @@ def test_errors_name_the_argument(kwargs, match):
         select_from_features(_mixture(100), world_size=4, **kwargs)
 
 
-def test_select_end_to_end_with_a_tiny_model(tmp_path):
+def _tiny_llama_and_examples(n: int, lengths: tuple[int, int], prompt_div: int, *, vocab: int, hidden: int,
+                             positions: int, seed: int):
+    """A random one-layer Llama and ``n`` random examples whose first ``1/prompt_div`` is prompt."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                   max_position_embeddings=positions, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     data = []
-    for _ in range(64):
-        t = int(rng.integers(6, 30))
-        ids = rng.integers(0, 97, size=t).astype(np.int64)
+    for _ in range(n):
+        t = int(rng.integers(*lengths))
+        ids = rng.integers(0, vocab, size=t).astype(np.int64)
         labels = ids.copy()
-        labels[: t // 2] = -100
+        labels[: t // prompt_div] = -100
         data.append({"input_ids": ids, "labels": labels})
+    return model, data
+
+
+def test_select_end_to_end_with_a_tiny_model(tmp_path):
+    model, data = _tiny_llama_and_examples(64, (6, 30), 2, vocab=97, hidden=32, positions=64, seed=0)
     plan, feats = select(model, data, world_size=2, ratio=0.25, dim=16, progress=False, return_features=True)
     assert feats.shape == (64, 16)
     _check_plan_invariants(plan, 64, 2)
@@ -287,20 +294,7 @@ def test_feature_tokens_resolve_per_preset():
 
 
 def test_select_records_the_feature_window_and_all_means_whole_examples():
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=53, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(cfg)
-    rng = np.random.default_rng(2)
-    data = []
-    for _ in range(24):
-        t = int(rng.integers(20, 90))
-        ids = rng.integers(0, 53, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 3] = -100
-        data.append({"input_ids": ids, "labels": labels})
+    model, data = _tiny_llama_and_examples(24, (20, 90), 3, vocab=53, hidden=16, positions=128, seed=2)
     windowed, fw = select(model, data, world_size=2, ratio=0.5, dim=8, progress=False, return_features=True)
     whole, fa = select(model, data, world_size=2, ratio=0.5, dim=8, feature_tokens="all", progress=False,
                        return_features=True)
