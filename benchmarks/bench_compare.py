@@ -66,13 +66,19 @@ def _goal(goal: str, measured: str, met: bool | None) -> dict[str, Any]:
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's five goals from the per-method means (a goal whose methods did not run is not met: None)."""
+    """The issue's five goals from the per-method means (a goal whose methods did not run is not met: None).
+
+    The ratios are :func:`clusterlm.compare.goals`'s; this adds the wording, the inputs and the verdicts.
+    """
+    from clusterlm.compare import goals
+
+    g = goals(summary)
     out = []
     c = summary.get("cluster")
     base = [m for m in ("s2l", "ifd", "less") if m in summary]
     if c and base:
         fastest = min(base, key=lambda m: summary[m]["selection_s"])
-        r = c["selection_s"] / summary[fastest]["selection_s"]
+        r = g["cluster_selection_over_fastest_baseline"]
         out.append(_goal("cluster selection time <= 1/5 of the fastest of s2l, ifd, less",
                          f"{c['selection_s']:.2f} s vs {fastest} {summary[fastest]['selection_s']:.2f} s = {r:.3f}x "
                          f"(s2l {summary.get('s2l', {}).get('selection_s', float('nan')):.1f} s, ifd "
@@ -80,19 +86,19 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                          f"{summary.get('less', {}).get('selection_s', float('nan')):.1f} s)", r <= 0.2))
     if c and "full" in summary:
         f = summary["full"]
-        r = c["total_s"] / f["train_s"]
+        r = g["cluster_total_over_full_train"]
         out.append(_goal("cluster (select + train at 31 %) total wall <= 0.40x full-data training",
                          f"{c['total_s']:.1f} s vs full {f['train_s']:.1f} s = {r:.3f}x", r <= 0.40))
-        rel = c["eval_loss"] / f["eval_loss"] - 1.0
+        rel = g["cluster_loss_rel_to_full"]
         out.append(_goal("held-out loss of cluster @31 % within 2 % of full data",
                          f"{c['eval_loss']:.4f} ± {c['eval_loss_std']:.4f} vs full {f['eval_loss']:.4f} ± "
                          f"{f['eval_loss_std']:.4f}: {100 * rel:+.2f} %", rel <= 0.02))
     if c and "random" in summary:
         rd = summary["random"]
-        r = c["total_s"] / rd["total_s"]
+        r = g["cluster_total_over_random_total"]
         out.append(_goal("cluster total <= 1.1x random @31 % total",
                          f"{c['total_s']:.1f} s vs random {rd['total_s']:.1f} s = {r:.3f}x", r <= 1.1))
-        diff = c["eval_loss"] - rd["eval_loss"]
+        diff = g["cluster_loss_minus_random"]
         out.append(_goal("held-out loss of cluster not worse than random @31 % beyond one standard deviation",
                          f"cluster {c['eval_loss']:.4f} - random {rd['eval_loss']:.4f} = {diff:+.4f}; random's std "
                          f"{rd['eval_loss_std']:.4f}", diff <= rd["eval_loss_std"]))
