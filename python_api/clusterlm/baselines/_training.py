@@ -227,7 +227,9 @@ def budget_count(n: int, world_size: int, ratio: float | None, budget: int | Non
         )
     stats: dict[str, Any] = {"requested": int(requested)}
     if count != requested:
-        stats["rounding"] = f"{requested} requested -> {count} selected (the total is a multiple of world_size)"
+        stats["rounding"] = (
+            f"{requested} requested -> {count} selected (the total is a multiple of world_size = {world_size})"
+        )
     return count, stats
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from clusterlm.allocation import allocate, visit_order
 from clusterlm.plan import Plan, selection_weights
-from clusterlm.select import _balance_stats, _fingerprint_of, _lengths_of, resolve_budget
+from clusterlm.select import _balance_stats, _fingerprint_of, _lengths_of
 
 __all__ = ["full_plan", "random_plan"]
 
@@ -170,23 +170,11 @@ def random_plan(
     """
     t0 = time.perf_counter()
     n = len(dataset)
+    from clusterlm.baselines._training import budget_count
+
     world_size = _check_world_size(world_size, n, "random_plan")
     seed = _check_seed(seed, "random_plan")
-    try:
-        requested = resolve_budget(n, ratio, budget)
-    except ValueError as e:  # same rules as select(); name this function in the message
-        raise ValueError(str(e).replace("select:", "random_plan:", 1)) from None
-    count = requested - requested % world_size
-    if count == 0:
-        raise ValueError(
-            f"random_plan: a budget of {requested} examples gives less than one example to each of {world_size} "
-            f"ranks; raise ratio/budget to at least {world_size}."
-        )
-    stats: dict[str, Any] = {"requested": int(requested)}
-    if count != requested:
-        stats["rounding"] = (
-            f"{requested} requested -> {count} selected (the total is a multiple of world_size = {world_size})"
-        )
+    count, stats = budget_count(n, world_size, ratio, budget, "random_plan")
     rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_RANDOM]))
     selected = np.sort(rng.choice(n, size=count, replace=False)).astype(np.int64)
     return _plan_from_selection(
