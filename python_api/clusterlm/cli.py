@@ -90,7 +90,7 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     import numpy as np
 
     from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
-    from clusterlm.data import load_data
+    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
     from clusterlm.distributed import barrier, featurize_sharded, init_distributed
     from clusterlm.models import load_model
     from clusterlm.report import draw_report, save_report_data
@@ -106,7 +106,8 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     features = args.features or ("paper" if args.preset == "paper" else "lm_head")
     t0 = _stage("1/4", f"model {args.model} on {info.world_size} processes") if main_rank else time.perf_counter()
     model, tokenizer, model_id = load_model(args.model)
-    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=show)
+    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=show,
+                     chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
     store_dir = Path(args.feature_store) if args.feature_store else out / "features"
     if main_rank:
         _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
@@ -131,7 +132,8 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     full = FeatureStore(store_dir).features()
     plan = select_from_features(
         full, world_size=args.world_size, lengths=data.lengths, ratio=args.ratio, budget=args.budget,
-        preset=args.preset, seed=args.seed, max_cluster_size=args.max_cluster_size,
+        token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset, seed=args.seed,
+        max_cluster_size=args.max_cluster_size,
         min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
         clusters_per_rank=args.clusters_per_rank, fingerprint=data.fingerprint(), model_id=model_id,
@@ -175,7 +177,7 @@ def run_select(args: argparse.Namespace) -> Any:
         from clusterlm.plan import Plan
 
         return Plan.load(args.out)
-    from clusterlm.data import load_data
+    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
     from clusterlm.models import load_model
     from clusterlm.report import draw_report, save_report_data
     from clusterlm.select import select
@@ -183,13 +185,16 @@ def run_select(args: argparse.Namespace) -> Any:
     out = Path(args.out)
     t0 = _stage("1/4", f"model {args.model}")
     model, tokenizer, model_id = load_model(args.model)
-    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=not args.no_progress)
+    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=not args.no_progress,
+                     chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
     truncated = f", {data.n_truncated} truncated to {args.max_length} tokens" if data.n_truncated else ""
-    print(f"      data {args.data}: {len(data)} examples ({data.format}), {int(data.lengths.sum())} tokens{truncated} "
+    print(f"      data {args.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
+          f"{int(data.lengths.sum())} tokens{truncated} "
           f"[{time.perf_counter() - t0:.1f} s]")
     _stage("2/4", f"gradient features ({args.features or 'preset default'}) + K-means, world size {args.world_size}")
     plan, feats = select(
-        model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget, preset=args.preset,
+        model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget,
+        token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset,
         features=args.features, dim=args.dim, feature_tokens=args.feature_tokens, seed=args.seed,
         max_cluster_size=args.max_cluster_size,
         min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
@@ -268,6 +273,8 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--ratio", type=float, help="fraction of the data to keep, e.g. 0.31")
     budget.add_argument("--budget", type=int, help="number of examples to keep")
+    budget.add_argument("--token-ratio", type=float, help="fraction of the tokens to keep, e.g. 0.31 (default preset)")
+    budget.add_argument("--token-budget", type=int, help="number of tokens to keep (default preset)")
     p.add_argument("--out", required=True, help="directory for plan.json, plan.npz and report.png")
     p.add_argument("--preset", choices=("default", "paper"), default="default")
     p.add_argument("--features", default=None, help="lm_head | paper | all-linear | lora (default: the preset's)")
@@ -284,6 +291,8 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clusters-per-rank", type=int, default=1)
     p.add_argument("--feature-store", default=None, help="directory to keep features in (resumable)")
     p.add_argument("--max-length", type=int, default=1024, help="truncate examples to this many tokens")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per featurization forward")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--nproc", type=int, default=1,

@@ -12,6 +12,8 @@ Methods (``--methods``, comma-separated; default all):
 - ``cluster``: CluSTER, the ``default`` preset (:func:`clusterlm.select.select`);
 - ``cluster-whole``: CluSTER, the ``default`` preset with whole-example features (``feature_tokens="all"``
   instead of the 64-token feature window: what the window costs in quality, and saves in time);
+- ``cluster-tokens``: CluSTER, the ``default`` preset with a token budget (``token_ratio=--ratio``: the
+  same share of the *tokens*, not of the examples; training cost follows tokens);
 - ``cluster-paper``: CluSTER, the ``paper`` preset (the authors' algorithm);
 - ``s2l`` / ``ifd`` / ``less``: :mod:`clusterlm.baselines.s2l`, :mod:`.ifd`, :mod:`.less`.
 
@@ -52,7 +54,7 @@ import numpy as np
 
 __all__ = ["METHODS", "add_compare_args", "cmd_compare", "run_compare", "summarize"]
 
-METHODS = ("full", "random", "cluster", "cluster-whole", "cluster-paper", "s2l", "ifd", "less")
+METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "s2l", "ifd", "less")
 STATE = "compare_state.jsonl"
 
 
@@ -89,11 +91,18 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2], help="count (3) or list (0,1,2)")
     p.add_argument("--out", default="runs/compare", help="output directory (resumable)")
     p.add_argument("--epochs", type=int, default=1, help="training epochs over each method's selection")
-    p.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (smoke runs)")
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (trainer, S2L proxy, LESS warm-up)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="cap on optimizer steps (smoke runs; not with 'full', whose cost is defined by its data)")
+    # The trainer's defaults (clusterlm train), so that compare trains as a plain `train` would.
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (trainer, S2L proxy, LESS warm-up)")
     p.add_argument("--warmup-ratio", type=float, default=0.03)
-    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--max-length", type=int, default=None, help="truncate examples (default: none, as train)")
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                   help="bf16 autocast in training (auto: on CUDA); passed to the trainer")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank for training (0: full fine-tuning)")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--n-validation", type=int, default=32,
                    help="last examples of the eval data used as LESS's validation set (excluded from evaluation)")
     p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
@@ -109,7 +118,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
     keys = ("model", "ratio", "world_size", "epochs", "max_steps", "micro_batch_size", "lr", "warmup_ratio",
             "max_length", "n_validation", "eval_max_examples", "threads", "device", "s2l_clusters", "s2l_epochs",
-            "less_epochs", "less_dim")
+            "less_epochs", "less_dim", "bf16", "lora_r", "chat_template")
     out = {k: getattr(args, k) for k in keys}
     out["data"] = str(Path(data_path).resolve())
     out["eval_data"] = str(Path(eval_path).resolve())
@@ -149,12 +158,13 @@ def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.
         return full_plan(data, ws, seed=seed, model_id=model_id)
     if method == "random":
         return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
-    if method in ("cluster", "cluster-whole", "cluster-paper"):
+    if method in ("cluster", "cluster-tokens", "cluster-whole", "cluster-paper"):
         from clusterlm.select import select
 
-        return select(model, data, world_size=ws, ratio=ratio, seed=seed, model_id=model_id,
+        budget = {"token_ratio": ratio} if method == "cluster-tokens" else {"ratio": ratio}
+        return select(model, data, world_size=ws, seed=seed, model_id=model_id,
                       preset="paper" if method == "cluster-paper" else "default",
-                      feature_tokens="all" if method == "cluster-whole" else None, progress=False)
+                      feature_tokens="all" if method == "cluster-whole" else None, progress=False, **budget)
     if method == "s2l":
         from clusterlm.baselines.s2l import s2l_plan
 
@@ -174,13 +184,19 @@ def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.
 
 
 def _train_argv(args: argparse.Namespace, plan_dir: Path, train_dir: Path, data_path: str, eval_path: str,
-                n_eval: int, seed: int) -> list[str]:
+                n_eval: int, seed: int, initial_eval: bool = True) -> list[str]:
     argv = ["--plan", str(plan_dir), "--model", args.model, "--data", data_path, "--out", str(train_dir),
             "--eval-data", eval_path, "--eval-max-examples", str(n_eval), "--epochs", str(args.epochs),
             "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr), "--warmup-ratio",
-            str(args.warmup_ratio), "--max-length", str(args.max_length), "--seed", str(seed), "--threads",
-            str(args.threads), "--device", args.device, "--overwrite", "--no-save-model", "--no-progress",
-            "--keep-checkpoints", "1"]
+            str(args.warmup_ratio), "--seed", str(seed), "--threads", str(args.threads), "--device", args.device,
+            "--bf16", args.bf16, "--chat-template", args.chat_template, "--overwrite", "--no-save-model",
+            "--no-progress", "--keep-checkpoints", "1"]
+    if args.max_length:
+        argv += ["--max-length", str(args.max_length)]
+    if not initial_eval:
+        argv += ["--no-initial-eval"]
+    if args.lora_r:
+        argv += ["--lora-r", str(args.lora_r)]
     if args.max_steps:
         argv += ["--max-steps", str(args.max_steps)]
     return argv
@@ -195,7 +211,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """
     import torch
 
-    from clusterlm.data import load_data
+    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
     from clusterlm.models import load_model
     from clusterlm.train import SUMMARY, launch
 
@@ -203,6 +219,11 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"compare: --ratio must be in (0, 1], got {args.ratio}.")
     if args.world_size < 1:
         raise ValueError(f"compare: --world-size must be >= 1, got {args.world_size}.")
+    if args.max_steps and "full" in args.methods:
+        raise ValueError(
+            f"compare: --max-steps {args.max_steps} with method 'full' would train full data for as many steps as the "
+            "subsets, so 'total vs full' would mean nothing; drop --max-steps (use a smaller --data) or drop 'full'."
+        )
     data_path, eval_path = args.data, args.eval_data
     if data_path is None or eval_path is None:
         from clusterlm.demo import demo_data
@@ -230,14 +251,19 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(max(1, args.threads * args.world_size))
         model, tokenizer, model_id = load_model(args.model)
         model.to(device)
-        data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False)
-        eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False)
+        rendering = CHAT_TEMPLATE_MODES[args.chat_template]
+        data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False, chat_template=rendering)
+        eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False,
+                             chat_template=rendering)
+        say(f"   data: {len(data)} training / {len(eval_set)} held-out examples, rendering {data.rendering!r}")
         n_eval_all = len(eval_set)
-        if args.n_validation < 0 or args.n_validation >= n_eval_all:
+        # LESS's validation split is taken from the held-out set only when LESS runs.
+        n_validation = args.n_validation if "less" in args.methods else 0
+        if n_validation < 0 or n_validation >= n_eval_all:
             raise ValueError(f"compare: --n-validation must be in [0, {n_eval_all}) (the eval data's size), got "
-                             f"{args.n_validation}.")
-        validation = [eval_set[i] for i in range(n_eval_all - args.n_validation, n_eval_all)]
-        n_eval = n_eval_all - args.n_validation
+                             f"{n_validation}.")
+        validation = [eval_set[i] for i in range(n_eval_all - n_validation, n_eval_all)]
+        n_eval = n_eval_all - n_validation
         if args.eval_max_examples:
             n_eval = min(n_eval, args.eval_max_examples)
         for method, seed in todo:
@@ -260,7 +286,11 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
             plan.save(run_dir / "plan")
             say(f"   {plan.n_selected} of {len(data)} examples selected in {selection_s:.2f} s")
             say(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
-            argv = _train_argv(args, run_dir / "plan", run_dir / "train", data_path, eval_path, n_eval, seed)
+            # The loss before training is the same for every unit (same model, same held-out data): measured once.
+            initial = next((r["initial_eval_loss"] for r in done.values() if r.get("initial_eval_loss") is not None),
+                           None)
+            argv = _train_argv(args, run_dir / "plan", run_dir / "train", data_path, eval_path, n_eval, seed,
+                               initial_eval=initial is None)
             rc = launch(argv, args.world_size)
             if rc != 0:
                 raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
@@ -270,7 +300,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
                 "key": key, "method": method, "seed": seed, "selection_s": selection_s,
                 "train_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
                 "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
-                "initial_eval_loss": summary["initial_eval_loss"], "n_selected": int(plan.n_selected),
+                "initial_eval_loss": summary["initial_eval_loss"] if initial is None else initial,
+                "n_selected": int(plan.n_selected),
                 "n_examples": len(data), "fraction": plan.n_selected / len(data), "steps": summary["steps"],
                 "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
             }
@@ -337,6 +368,8 @@ def markdown_table(result: dict[str, Any]) -> str:
              "| method | fraction | tokens trained | selection s | training s | total s | held-out loss |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     def pm(row: dict[str, Any], f: str, digits: int) -> str:
+        if row["seeds"] < 2:
+            return f"{row[f]:.{digits}f}"  # one seed: no spread to show
         return f"{row[f]:.{digits}f} ± {row[f + '_std']:.{digits}f}"
 
     for m, row in result["summary"].items():

@@ -17,8 +17,15 @@ columns:
   only assistant turns are trained;
 - ``input_ids`` / ``labels`` ("tokenized"): used as given (truncated to ``max_length``).
 
-How text is tokenised. Prompt and response are tokenised *separately* (``add_special_tokens=False``)
-and concatenated as ``[bos] + prompt + response + [eos]`` (bos only if the tokenizer has one, eos
+Rendering. When the tokenizer has a chat template (an instruct model's), prompt/response and Alpaca
+records are rendered through it by default, as the conversation ``[{"role": "user", "content": prompt},
+{"role": "assistant", "content": response}]`` (so an instruct model is fine-tuned on the format it is used
+with; only the assistant turn is trained, exactly like chat data). ``chat_template=False`` turns this off
+(plain concatenation below); ``True`` requires a template. :attr:`SFTDataset.rendering` records which ran
+(``"chat-template"`` or ``"plain"``).
+
+How text is tokenised. Without a chat template, prompt and response are tokenised *separately*
+(``add_special_tokens=False``) and concatenated as ``[bos] + prompt + response + [eos]`` (bos only if the tokenizer has one, eos
 likewise), so the prompt/answer boundary is exact whatever the tokenizer merges across it. The answer
 is ``response + [eos]``. Chat examples are cut into segments at the turn boundaries of the rendered
 template: for assistant turn ``i`` the text added by ``messages[:i+1]`` over the generation prompt of
@@ -48,9 +55,11 @@ import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
 
-__all__ = ["FORMATS", "IGNORE_INDEX", "SFTDataset", "collate", "fingerprint", "load_data"]
+__all__ = ["CHAT_TEMPLATE_MODES", "FORMATS", "IGNORE_INDEX", "SFTDataset", "collate", "fingerprint", "load_data"]
 
 FORMATS = ("prompt-response", "alpaca", "chat", "tokenized")
+# The command lines' --chat-template values -> load_data(chat_template=...).
+CHAT_TEMPLATE_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _ACCEPTED = (
     "'prompt'/'response'; Alpaca 'instruction'/'input'(optional)/'output'; chat 'messages' (a list of "
@@ -71,6 +80,8 @@ class SFTDataset(torch.utils.data.Dataset):
         max_length: the truncation length used (None: no truncation).
         source: the file path or a description of the source.
         format: one of :data:`FORMATS`.
+        rendering: ``"chat-template"`` (text rendered through the tokenizer's chat template), ``"plain"``
+            (prompt and response concatenated) or ``"tokenized"`` (given as token ids).
     """
 
     def __init__(
@@ -82,6 +93,7 @@ class SFTDataset(torch.utils.data.Dataset):
         max_length: int | None = None,
         source: str = "<memory>",
         format: str = "tokenized",
+        rendering: str = "tokenized",
     ) -> None:
         """Build from per-example int arrays (already checked and truncated by :func:`load_data`).
 
@@ -115,6 +127,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.max_length = max_length
         self.source = source
         self.format = format
+        self.rendering = rendering
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -140,7 +153,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return (
-            f"SFTDataset(n={len(self)}, format={self.format!r}, tokens={int(self.lengths.sum())}, "
+            f"SFTDataset(n={len(self)}, format={self.format!r}, rendering={self.rendering!r}, "
+            f"tokens={int(self.lengths.sum())}, "
             f"max_length={self.max_length}, n_truncated={self.n_truncated}, source={self.source!r})"
         )
 
@@ -277,6 +291,7 @@ def load_data(
     max_length: int | None = 1024,
     split: str | None = None,
     progress: bool = True,
+    chat_template: bool | None = None,
 ) -> SFTDataset:
     """Load, tokenise and mask a supervised fine-tuning data set.
 
@@ -291,6 +306,10 @@ def load_data(
         split: which split of a ``DatasetDict`` (required when it has several); for files, the split name
             ``datasets`` gives them (default ``"train"``).
         progress: show a tqdm bar while tokenising (only for more than 2000 examples).
+        chat_template: render prompt/response and Alpaca records through the tokenizer's chat template
+            (user turn = prompt, assistant turn = response). None (default): when the tokenizer has one;
+            False: plain concatenation; True: required (an error when the tokenizer has none). Chat data
+            (``messages``) always uses the template.
 
     Returns:
         :class:`SFTDataset`.
@@ -299,7 +318,8 @@ def load_data(
         FileNotFoundError: ``source`` is a path that does not exist.
         ValueError: unknown file extension, missing columns (the message lists the columns found and the
             accepted formats), an example without an answer token (possibly after truncation; the message
-            names its index and the fix), a bad ``max_length`` or ``split``, no examples.
+            names its index and the fix), a bad ``max_length`` or ``split``, no examples,
+            ``chat_template=True`` with a tokenizer that has no template.
         TypeError: an unsupported ``source`` type, non-string text fields, a missing tokenizer.
     """
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
@@ -324,13 +344,27 @@ def load_data(
                 f"load_data: {description} holds text in the {fmt!r} format, so a tokenizer is required "
                 "(e.g. transformers.AutoTokenizer.from_pretrained(<model dir>)); got tokenizer=None."
             )
+        has_template = getattr(tokenizer, "chat_template", None) is not None
+        if chat_template not in (None, True, False):
+            raise TypeError(f"load_data: chat_template must be None, True or False, got {chat_template!r}.")
+        if chat_template is True and not has_template:
+            raise ValueError(
+                "load_data: chat_template=True, but the tokenizer has no chat template. Set "
+                "tokenizer.chat_template, or pass chat_template=False (plain prompt + response)."
+            )
+        use_template = fmt == "chat" or (has_template if chat_template is None else chat_template)
         bar = _progress(n, progress)
         try:
             if fmt == "chat":
                 input_ids, labels = _tokenize_chat(columns["messages"], tokenizer, bar)
             else:
                 prompts, responses = _prompts_responses(columns, fmt)
-                input_ids, labels = _tokenize_pairs(prompts, responses, tokenizer, bar)
+                if use_template:
+                    conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                                     for p, r in zip(prompts, responses, strict=True)]
+                    input_ids, labels = _tokenize_chat(conversations, tokenizer, bar)
+                else:
+                    input_ids, labels = _tokenize_pairs(prompts, responses, tokenizer, bar)
         finally:
             bar.close()
     n_truncated = 0
@@ -351,7 +385,8 @@ def load_data(
                 "or fully masked labels); its loss would be undefined. Fix or remove that example."
             )
     return SFTDataset(
-        input_ids, labels, n_truncated=n_truncated, max_length=max_length, source=description, format=fmt
+        input_ids, labels, n_truncated=n_truncated, max_length=max_length, source=description, format=fmt,
+        rendering="tokenized" if fmt == "tokenized" else ("chat-template" if use_template else "plain"),
     )
 
 

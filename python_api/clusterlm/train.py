@@ -151,6 +151,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", required=True, help="training data the plan was made for (.jsonl/.json/.parquet)")
     g.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary, model)")
     g.add_argument("--eval-data", default=None, help="held-out data; its answer-token loss is reported")
+    g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one; "
+                   "must match the plan's selection)")
     g.add_argument("--max-length", type=_positive_int, default=None,
                    help="truncate examples to this many tokens (default: the plan's, else 1024)")
 
@@ -198,6 +201,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation, checkpoints, logging")
     g.add_argument("--eval-every", type=_non_negative_int, default=0,
                    help="evaluate every N steps (0: only before the first and after the last step)")
+    g.add_argument("--no-initial-eval", action="store_true",
+                   help="skip the held-out evaluation before the first step (e.g. when it is known already)")
     g.add_argument("--eval-batch-size", type=_positive_int, default=8)
     g.add_argument("--eval-max-examples", type=_positive_int, default=None, help="evaluate on the first N only")
     g.add_argument("--save-every", type=_non_negative_int, default=0,
@@ -969,7 +974,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace, di: DistInfo, t_start: float) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from clusterlm.data import load_data
+    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
     from clusterlm.sampler import PlanSampler
 
     out = Path(args.out)
@@ -984,13 +989,15 @@ def _train(args: argparse.Namespace, di: DistInfo, t_start: float) -> dict[str, 
     model, tokenizer, model_id = build_model(args, di)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     max_length = _max_length(args)
-    data = load_data(args.data, tokenizer, max_length=max_length, progress=progress)
+    rendering = CHAT_TEMPLATE_MODES[args.chat_template]
+    data = load_data(args.data, tokenizer, max_length=max_length, progress=progress, chat_template=rendering)
     plan = fit_plan(args, plan, data, di, model_id)
     weights = plan.weights
     sampler = PlanSampler(plan, di.rank, epoch_shuffle=not args.no_epoch_shuffle, seed=args.seed)
     eval_data = None
     if args.eval_data:
-        eval_data = load_data(args.eval_data, tokenizer, max_length=max_length, progress=False)
+        eval_data = load_data(args.eval_data, tokenizer, max_length=max_length, progress=False,
+                              chat_template=rendering)
         if args.eval_max_examples is not None and args.eval_max_examples < len(eval_data):
             eval_data = [eval_data[i] for i in range(args.eval_max_examples)]
 
@@ -1059,7 +1066,7 @@ def _train(args: argparse.Namespace, di: DistInfo, t_start: float) -> dict[str, 
             save_checkpoint(out, state, step, args.keep_checkpoints)
 
     # ---- loop ------------------------------------------------------------------------------------
-    if step == 0:
+    if step == 0 and not args.no_initial_eval:
         run_eval()
     bar = None
     if progress:

