@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     # On CPUs without native bf16 (AVX2 only) autocast is ~12x slower than float32: measured, see BENCHMARKS.md.
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per training rank")
+    # LESS computes per-example LoRA gradients over all data at every warm-up checkpoint (one per epoch): with
+    # the paper's 4 epochs that alone is ~4 full fine-tuning epochs here. 1 keeps it within the time budget and
+    # can only make LESS look cheaper (and is reported).
+    p.add_argument("--less-epochs", type=int, default=1, help="LESS warm-up epochs = checkpoints (paper: 4)")
     p.add_argument("--stage", choices=("all", "main", "lora"), default="all")
     p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
@@ -108,7 +112,8 @@ def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, me
              "--world-size", str(args.world_size), "--methods", ",".join(methods), "--seeds", str(seeds),
              "--out", str(work), "--epochs", str(args.epochs), "--micro-batch-size", str(args.micro_batch_size),
              "--lr", str(args.lora_lr if lora else args.lr), "--n-validation", str(args.n_validation),
-             "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on", "--no-progress"]
+             "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on", "--no-progress",
+             "--less-epochs", str(args.less_epochs)]
     if lora:
         cargv += ["--lora-r", str(args.lora_r)]
     return run_compare(parser.parse_args(cargv))
@@ -153,7 +158,8 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
                              f"rank, AdamW lr {args.lr}, warm-up 3 %, cosine decay, bf16 autocast {args.bf16}; "
                              "identical for every method"],
                 ["methods", f"ratio {args.ratio}; seeds 0..{args.seeds - 1} for {', '.join(FAST)}, seed 0 for the "
-                            "others; cluster-tokens = token_ratio (the same share of tokens)"],
+                            "others; cluster-tokens = token_ratio (the same share of tokens); LESS with "
+                            f"{args.less_epochs} warm-up epoch(s) = gradient checkpoint(s) (paper: 4)"],
                 ["timing", "selection = wall time of the selection call (model and data loading excluded for all); "
                            "training = the trainer's train_time_s (slowest rank's step times, no evaluation)"],
             ],

@@ -32,6 +32,14 @@ first answer tokens, preceded by up to ``T // 4`` (at least 1) prompt tokens jus
 when the answer is shorter than the rest of the window); the feature is the gradient of the mean
 answer loss inside the window. ``None`` featurizes whole examples (the paper's proxy does).
 
+Tied embeddings. When the lm head shares its weight with the input embedding, every mode featurizes the
+gradient of the head's *output* use only (``logits = h W^T``): the shared parameter's full gradient would
+add the input-embedding rows of the example's tokens, which no feature includes.
+
+LoRA. A freshly initialised adapter has ``lora_B = 0``, so the gradient of every ``lora_A`` is exactly zero
+and only the ``lora_B`` half of a ``"lora"`` feature carries anything; the featurizer warns then
+(featurize after a short warm-up of the adapter, or use ``"lm_head"`` / ``"all-linear"``).
+
 Examples whose labels (after the causal shift) are all ``-100`` are refused with a ``ValueError``
 naming the example's index (their mean loss is undefined); nothing of their shard is written.
 """
@@ -214,6 +222,13 @@ class GradientFeaturizer:
         max_tokens: feature window: at most this many tokens per example (the answer's start with a
             little prompt context; module docstring), or None for whole examples. Must be >= 2.
 
+    Tied embeddings: with an lm head tied to the input embedding, the feature is the gradient of the head's
+    output use (``logits = h W^T``) only, not of the shared parameter (which adds input-embedding rows).
+
+    Warns:
+        UserWarning: only LoRA layers are selected and every ``lora_B`` of the selected ``lora_A`` layers is
+            zero (a fresh adapter), so the ``lora_A`` part of the feature is exactly zero.
+
     Raises:
         TypeError / ValueError: no usable lm head, unknown layer names (the message lists the available
             ones), no LoRA layers for ``"lora"``, bad ``dim``/``projection``, gradient checkpointing on.
@@ -263,6 +278,7 @@ class GradientFeaturizer:
                 "dimension."
             )
         self._layers, self._include_head = self._resolve_layers(model, layers)
+        self._warn_if_lora_b_zero(model)
         self.k_o, self.k_i = _split_dim(dim) if self.mode == "projected" else (1, self._lm_head.in_features)
         self._projections: dict[tuple[str, str, str], torch.Tensor] = {}
 
@@ -333,6 +349,27 @@ class GradientFeaturizer:
             raise ValueError(f"GradientFeaturizer: layers lists a name twice: {list(layers)}.")
         return [_Layer(n, linear[n], *_layer_dims(linear[n])) for n in layers if n != self._lm_head_name], (
             self._lm_head_name in layers
+        )
+
+    def _warn_if_lora_b_zero(self, model: nn.Module) -> None:
+        """Warn when the feature is LoRA-only and every selected lora_A's lora_B is zero (no lora_A gradient)."""
+        if not self._layers or not all(".lora_A." in x.name or ".lora_B." in x.name for x in self._layers):
+            return  # other layers carry signal; a zero lora_A part is then a small share of the feature
+        a_names = [x.name for x in self._layers if ".lora_A." in x.name]
+        modules = dict(model.named_modules())
+        b_modules = [modules.get(n.replace(".lora_A.", ".lora_B.", 1)) for n in a_names]
+        weights = [getattr(b, "weight", None) for b in b_modules]
+        if not a_names or any(not isinstance(w, torch.Tensor) or w.is_meta for w in weights):
+            return
+        if any(bool(w.detach().any()) for w in weights):
+            return
+        warnings.warn(
+            f"GradientFeaturizer: every lora_B weight of the selected LoRA layers is zero (a freshly initialised "
+            f"adapter), so the gradients of their {len(a_names)} lora_A matrices are exactly zero and that part of "
+            "the feature carries nothing; featurize after a short warm-up of the adapter (a few training steps), or "
+            "use layers='lm_head' or 'all-linear'.",
+            UserWarning,
+            stacklevel=3,
         )
 
     @property

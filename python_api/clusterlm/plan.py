@@ -475,11 +475,16 @@ class Plan:
 
     def summary(self) -> str:
         """A plain-text report: per rank (clusters, examples, tokens, weight), per cluster (n_c, s_c,
-        weight) and stage timings."""
+        weight) and stage timings; the first line states a paper-preset shortfall against the request."""
         n, s = self.n_examples, self.n_selected
+        share = f"{100.0 * s / max(n, 1):.1f} %"
+        requested = self.stats.get("requested")
+        if self.config.get("preset") == "paper" and isinstance(requested, (int, np.integer)) and s < requested:
+            # The paper's count is int(smallest cluster * ratio) per cluster: often far below ratio * N.
+            share = (f"{share} of N; {int(requested)} = {100.0 * int(requested) / max(n, 1):.1f} % requested: the "
+                     "paper preset keeps int(smallest cluster x ratio) per cluster")
         lines = [
-            f"plan: {s} of {n} examples selected ({100.0 * s / max(n, 1):.1f} %), world size {self.world_size}, "
-            f"{self.per_rank} per rank",
+            f"plan: {s} of {n} examples selected ({share}), world size {self.world_size}, {self.per_rank} per rank",
             f"model: {self.model_id}   data: sha256 {str(self.fingerprint['sha256'])[:16]}..",
         ]
         scalars = {k: v for k, v in self.config.items() if not isinstance(v, (Mapping, list, tuple, np.ndarray))}
