@@ -26,13 +26,13 @@ with; only the assistant turn is trained, exactly like chat data). ``chat_templa
 
 How text is tokenised. Without a chat template, prompt and response are tokenised *separately*
 (``add_special_tokens=False``) and concatenated as ``[bos] + prompt + response + [eos]`` (bos only if the
-tokenizer has one, eos likewise), so the prompt/answer boundary is exact whatever the tokenizer merges
-across it. The answer is ``response + [eos]``. Chat examples are cut into segments at the turn
-boundaries of the rendered template: for assistant turn ``i`` the text added by ``messages[:i+1]`` over the generation prompt of
+tokenizer has one, eos likewise), so the prompt/answer boundary is exact whatever the tokenizer merges across
+it. The answer is ``response + [eos]``. Chat examples are cut into segments at the turn boundaries of the
+rendered template: for assistant turn ``i`` the text added by ``messages[:i+1]`` over the generation prompt of
 ``messages[:i]`` (the content plus the template's end-of-turn marker, e.g. ``</s>``) is the answer, every
-other segment (system/user turns, role headers, generation prompts) is masked. Each segment is
-tokenised on its own, again for exact boundaries. Calls to the tokenizer are batched (thousands of
-examples per second with a fast tokenizer).
+other segment (system/user turns, role headers, generation prompts) is masked. Each segment is tokenised on
+its own, again for exact boundaries. Calls to the tokenizer are batched (thousands of examples per second with
+a fast tokenizer).
 
 Truncation. Sequences longer than ``max_length`` keep their head (so the prompt's beginning) and are
 counted in ``SFTDataset.n_truncated``; nothing is dropped silently: an example left without an answer
