@@ -196,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         "raw": {"config": vars(args), "compare": result, "pretrain": pretrain_info,
                 "total_wall_s": time.perf_counter() - t_start},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return write_and_report(out, Path(args.out))
+
+
+def write_and_report(out: dict[str, Any], path: Path) -> int:
+    """Write a compare result file and print its goals with their verdicts; returns 0."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     for t in out["targets"]:
         print(f"[{'met' if t['met'] else 'NOT met'}] {t['goal']}: {t['measured']}")
-    print(f"written {args.out}")
+    print(f"written {path}")
     return 0
 
 

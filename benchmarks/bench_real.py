@@ -15,8 +15,8 @@ assistant turn is trained and evaluated).
 
 Stages, in the order they run (each unit is resumable: a killed run continues with the units not done):
 
-1. ``main``: every method at seed 0, then ``--seeds`` seeds for full, random, cluster and cluster-tokens
-   (the slow baselines S2L, IFD, LESS and the cluster variants keep their one seed);
+1. ``main``: every method at seed 0, then ``--seeds`` seeds for the ``--seed-methods`` (default full, random,
+   cluster and cluster-tokens; the slow baselines S2L, IFD, LESS and the other variants keep their one seed);
 2. ``lora``: full, random and cluster once with LoRA (``--lora-r``) instead of full fine-tuning.
 
 The result (``benchmarks/results/compare_real.json``) holds the tables and the issue's goals with the
@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_description  # noqa: E402
-from bench_compare import targets  # noqa: E402
+from bench_compare import targets, write_and_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compare_real.json"
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=256, help="examples longer than this are not drawn")
     p.add_argument("--ratio", type=float, default=0.31)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=3, help="seeds for full, random, cluster, cluster-tokens")
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the --seed-methods")
+    p.add_argument("--seed-methods", default=",".join(FAST), help="methods run at every seed (the others: seed 0)")
     p.add_argument("--methods", default=",".join(ALL), help="methods of the main stage (seed 0)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -74,7 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--report-only", action="store_true",
+                   help="write --out from the units finished so far in --work (runs nothing; a partial run's report)")
     return p
+
+
+def _finished(work: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """The records of ``work``'s compare state with the settings of its newest record."""
+    from clusterlm.compare import STATE, read_state
+
+    records = read_state(work / STATE)
+    if not records:
+        return {}
+    key = records[-1]["key"]
+    return {(r["method"], r["seed"]): r for r in records if r["key"] == key}
 
 
 def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple[Path, Path, dict[str, Any]]:
@@ -157,7 +171,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
                              f"{args.epochs} epoch(s) over each selection, micro-batch {args.micro_batch_size} per "
                              f"rank, AdamW lr {args.lr}, warm-up 3 %, cosine decay, bf16 autocast {args.bf16}; "
                              "identical for every method"],
-                ["methods", f"ratio {args.ratio}; seeds 0..{args.seeds - 1} for {', '.join(FAST)}, seed 0 for the "
+                ["methods", f"ratio {args.ratio}; seeds 0..{args.seeds - 1} for {args.seed_methods}, seed 0 for the "
                             "others; cluster-tokens = token_ratio (the same share of tokens); LESS with "
                             f"{args.less_epochs} warm-up epoch(s) = gradient checkpoint(s) (paper: 4)"],
                 ["timing", "selection = wall time of the selection call (model and data loading excluded for all); "
@@ -185,7 +199,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
                 "total_wall_s": time.perf_counter() - t_start},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")  # a cut run still reports
     return out
 
 
@@ -201,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.methods.split(",") if m]
     records: dict[tuple[str, int], dict[str, Any]] = {}
     lora_records: dict[tuple[str, int], dict[str, Any]] = {}
+    if args.report_only:
+        write_result(args, argv, model_id, subsets, _finished(work / "main"), _finished(work / "lora"), t_start)
+        print(f"written {args.out} from the finished units in {work}")
+        return 0
+    if args.stage == "lora":  # the main stage ran earlier: report its units beside the LoRA ones
+        records = _finished(work / "main")
     if args.stage in ("all", "main"):
         for r in _compare(args, work / "main", data, heldout, methods, 1, lora=False)["records"]:
             records[(r["method"], r["seed"])] = r
-        fast = [m for m in FAST if m in methods]
+        fast = [m for m in args.seed_methods.split(",") if m in methods]
         if args.seeds > 1 and fast:
             for r in _compare(args, work / "main", data, heldout, fast, args.seeds, lora=False)["records"]:
                 records[(r["method"], r["seed"])] = r
@@ -214,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in _compare(args, work / "lora", data, heldout, lora_methods, 1, lora=True)["records"]:
             lora_records[(r["method"], r["seed"])] = r
         out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
-    for t in out["targets"]:
-        print(f"[{'met' if t['met'] else 'NOT met'}] {t['goal']}: {t['measured']}")
-    print(f"written {args.out}")
-    return 0
+    return write_and_report(out, Path(args.out))
 
 
 if __name__ == "__main__":

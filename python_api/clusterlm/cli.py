@@ -266,7 +266,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_select_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="'tiny-llama' (built-in demo model) or a local HF model directory")
+    p.add_argument("--model", required=True,
+                   help="built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, "
+                   "or a local HF model directory")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with prompt/response, "
                    "instruction/input/output or messages columns")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) that will train")

@@ -26,7 +26,9 @@ held-out data for every method; training seconds = the trainer's ``train_time_s`
 of the slowest rank's step time: training proper, without model loading and evaluation); total =
 selection + training. Held-out loss = the trainer's final token-weighted answer loss on the
 evaluation data (default: the demo held-out split minus the last ``--n-validation`` examples, which
-LESS uses as its validation set, so no method is evaluated on examples it saw).
+LESS uses as its validation set, so no method is evaluated on examples it saw; by default 32 when LESS is
+among the methods and 0 otherwise, and the value is part of the settings key, so records evaluated on
+other examples are never mixed).
 
 Selection runs with ``world_size x --threads`` torch threads on CPU: the CPU budget the training ranks
 have together.
@@ -52,10 +54,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["METHODS", "add_compare_args", "cmd_compare", "run_compare", "summarize"]
+__all__ = ["METHODS", "STATE", "add_compare_args", "cmd_compare", "read_state", "run_compare", "summarize"]
 
 METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "s2l", "ifd", "less")
 STATE = "compare_state.jsonl"
+N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) when --n-validation is not given
 
 
 def _methods_arg(value: str) -> list[str]:
@@ -84,7 +87,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     """Add ``clusterlm compare``'s options to ``p``."""
     p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
     p.add_argument("--eval-data", default=None, help="held-out data; default: the demo held-out split")
-    p.add_argument("--model", default="tiny-llama", help="built-in model name or a local HF model directory")
+    p.add_argument("--model", default="tiny-llama",
+                   help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
     p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
     p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
     p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
@@ -103,8 +107,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank for training (0: full fine-tuning)")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--n-validation", type=int, default=32,
-                   help="last examples of the eval data used as LESS's validation set (excluded from evaluation)")
+    p.add_argument("--n-validation", type=int, default=None,
+                   help="last examples of the eval data used as LESS's validation set, excluded from evaluation for "
+                   f"every method (default: {N_VALIDATION} when less runs, else 0)")
     p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per training rank")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -129,7 +134,8 @@ def _key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _read_state(path: Path) -> list[dict[str, Any]]:
+def read_state(path: Path) -> list[dict[str, Any]]:
+    """The unit records of a compare state file (``OUT/compare_state.jsonl``), oldest first; [] if none."""
     if not path.is_file():
         return []
     out = []
@@ -224,6 +230,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
             f"compare: --max-steps {args.max_steps} with method 'full' would train full data for as many steps as the "
             "subsets, so 'total vs full' would mean nothing; drop --max-steps (use a smaller --data) or drop 'full'."
         )
+    if args.n_validation is None:  # the held-out tail is LESS's only when it runs; explicit values always hold
+        args = argparse.Namespace(**{**vars(args), "n_validation": N_VALIDATION if "less" in args.methods else 0})
     data_path, eval_path = args.data, args.eval_data
     if data_path is None or eval_path is None:
         from clusterlm.demo import demo_data
@@ -236,7 +244,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     settings = _settings(args, data_path, eval_path)
     key = _key(settings)
     state_path = out / STATE
-    done = {(r["method"], r["seed"]): r for r in _read_state(state_path) if r.get("key") == key}
+    done = {(r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") == key}
     # Seed-major: an interrupted run has every method at its first seeds, not some methods at none.
     todo = [(m, s) for s in args.seeds for m in args.methods if (m, s) not in done]
     say = print
@@ -257,8 +265,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
                              chat_template=rendering)
         say(f"   data: {len(data)} training / {len(eval_set)} held-out examples, rendering {data.rendering!r}")
         n_eval_all = len(eval_set)
-        # LESS's validation split is taken from the held-out set only when LESS runs.
-        n_validation = args.n_validation if "less" in args.methods else 0
+        # Every method is evaluated on the same examples: the validation tail is held back whichever methods run.
+        n_validation = args.n_validation
         if n_validation < 0 or n_validation >= n_eval_all:
             raise ValueError(f"compare: --n-validation must be in [0, {n_eval_all}) (the eval data's size), got "
                              f"{n_validation}.")

@@ -501,6 +501,10 @@ class Plan:
         tokens = self.per_rank_tokens()
         if tokens.mean() > 0:
             lines.append(f"token imbalance (max/mean over ranks): {tokens.max() / tokens.mean():.3f}")
+        budget = self.stats.get("token_budget")
+        if isinstance(budget, Mapping):
+            lines.append(f"token budget: {budget['selected_tokens']:,} of {budget['requested_tokens']:,} tokens "
+                         f"requested ({100.0 * budget['relative_error']:+.2f} %)")
         cluster_rows = self._cluster_rows()
         lines.append("")
         if cluster_rows:

@@ -34,6 +34,16 @@ at most ``1.5 N / C``, so the requested ``ratio``/``budget`` is met exactly up t
 (10 %) of each cluster's least-far picks for its next-farthest members, and visit orders that align
 length quantiles across ranks.
 
+Token budget (default preset): ``token_ratio=`` / ``token_budget=`` instead of ``ratio=`` / ``budget=``.
+Training cost follows tokens, and far-from-centroid picks are longer than average (8 % more tokens than a
+random sample of as many examples on the demo data), so the count per cluster ``m`` (the same for every
+cluster, hence every rank) is chosen after clustering as the one whose farthest-first picks total closest
+to the budget, within one example per cluster (:func:`count_for_tokens`); the K-means lower bound uses the
+count the budget buys at the mean length. Token balancing and the weights work as for an example budget:
+the weights are still ``(n_c / N)(S / s_c)`` with counts, because the loss is a mean over examples (each
+example's loss is its own answer-token mean), so the estimate of the full-data gradient is unchanged.
+``Plan.stats["token_budget"]`` records the requested and selected tokens.
+
 Weights: example ``i`` of cluster ``c`` gets ``(n_c / N) * (S / s_c)`` (``S`` selected in all, ``s_c``
 from cluster ``c``), which is ``K n_k / N`` for one cluster per rank; with ``mean_b(w_b * loss_b)`` on
 every rank, DDP's gradient average estimates the full-data gradient ``sum_c (n_c / N) g_c``.

@@ -164,7 +164,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", required=True,
                    help="plan directory (clusterlm select), or a baseline: 'full', 'random:<ratio>' (random:0.31), "
                    "'random:<count>'")
-    g.add_argument("--model", required=True, help="'tiny-llama' (built-in demo model) or a local HF model directory")
+    g.add_argument("--model", required=True,
+                   help="built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, "
+                   "or a local HF model directory")
     g.add_argument("--data", required=True, help="training data the plan was made for (.jsonl/.json/.parquet)")
     g.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary, model)")
     g.add_argument("--eval-data", default=None, help="held-out data; its answer-token loss is reported")

@@ -37,7 +37,7 @@ def small_demo(demo, tmp_path):
 
 def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, tmp_path, monkeypatch, capsys):
     train, heldout = small_demo
-    args = _args(tmp_path, train, heldout)
+    args = _args(tmp_path, train, heldout, n_validation=None)  # the default: no LESS, no validation tail
     assert compare.cmd_compare(args) == 0
     out = tmp_path / "cmp"
     result = json.loads((out / "compare.json").read_text())
@@ -80,6 +80,7 @@ def test_compare_argument_errors(small_demo, tmp_path):
     train, heldout = small_demo
     assert compare.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
     assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10, methods=["random", "less"])) == 2
+    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2  # explicit: always held back
     # full data trains as many steps as its data: --max-steps would make "total vs full" meaningless
     assert compare.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "random"])) == 2
     with pytest.raises(SystemExit):

