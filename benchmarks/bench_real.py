@@ -141,6 +141,29 @@ def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
              pm(r, "total_s", 1), pm(r, "eval_loss", 4), r["seeds"]] for m, r in summary.items()]
 
 
+def _notes(summary: dict[str, dict[str, Any]], epochs: int) -> list[str]:
+    """Ratios read off the table that explain the time goals and the window's quality cost."""
+    notes = []
+    c, r, f = summary.get("cluster"), summary.get("random"), summary.get("full")
+    if c and r:
+        x = c["selection_s"] / r["train_s"]
+        notes.append(f"cluster selection / random's training = {x:.3f}: with E epochs over the same selections, "
+                     f"cluster total / random total = 1 + {x:.3f} / E (measured E = {epochs}); <= 1.1 needs "
+                     f"E >= {x / 0.1:.1f}")
+    if c and f:
+        notes.append(f"cluster training alone / full training = {c['train_s'] / f['train_s']:.3f}; selection adds "
+                     f"{c['selection_s'] / f['train_s']:.3f}")
+    w = summary.get("cluster-whole")
+    if c and w:
+        notes.append(f"feature window 64 tokens vs whole examples: selection {c['selection_s']:.1f} s vs "
+                     f"{w['selection_s']:.1f} s, held-out loss {c['eval_loss']:.4f} vs {w['eval_loss']:.4f} "
+                     f"({w['seeds']} seed(s) of cluster-whole; cluster's std {c['eval_loss_std']:.4f})")
+    if f:
+        rel = {m: 100 * (v["eval_loss"] / f["eval_loss"] - 1) for m, v in summary.items() if m != "full"}
+        notes.append("held-out loss vs full: " + ", ".join(f"{m} {d:+.2f} %" for m, d in rel.items()))
+    return notes
+
+
 def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str, subsets: dict[str, Any],
                  records: dict[tuple[str, int], dict[str, Any]], lora_records: dict[tuple[str, int], dict[str, Any]],
                  t_start: float) -> dict[str, Any]:
@@ -180,7 +203,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
             "notes": [],
         },
         {"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols, "rows": _rows(summary),
-         "notes": []},
+         "notes": _notes(summary, args.epochs)},
     ]
     if lora_summary:
         sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,

@@ -171,7 +171,7 @@ def test_truncation_counts_and_keeps_head(demo_tokenizer):
     assert (cut[1]["input_ids"] == full[1]["input_ids"]).all()
     huge_prompt = {"prompt": "word " * 100, "response": "ok"}
     with pytest.raises(ValueError, match=r"example 1 .*no answer token left after truncation.*max_length=16"):
-        load_data([RECORDS[1], huge_prompt], demo_tokenizer, max_length=16)
+        load_data([RECORDS[1], huge_prompt], demo_tokenizer, max_length=16, chat_template=False)
     with pytest.raises(ValueError, match="max_length"):
         load_data(RECORDS, demo_tokenizer, max_length=1)
 
