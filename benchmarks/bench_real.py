@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--lora-note", default="", help="a note printed under the LoRA table (e.g. how it was run)")
     p.add_argument("--report-only", action="store_true",
                    help="write --out from the units finished so far in --work (runs nothing; a partial run's report)")
     return p
@@ -207,7 +208,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
     ]
     if lora_summary:
         sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,
-                         "rows": _rows(lora_summary), "notes": []})
+                         "rows": _rows(lora_summary), "notes": [args.lora_note] if args.lora_note else []})
     out = {
         "title": "compare on a real pretrained model: SmolLM2-135M-Instruct (selection + training + held-out loss)",
         "date": datetime.date.today().isoformat(),
