@@ -203,6 +203,11 @@ def write_and_report(out: dict[str, Any], path: Path) -> int:
     """Write a compare result file and print its goals with their verdicts; returns 0."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return print_targets(out, path)
+
+
+def print_targets(out: dict[str, Any], path: Path) -> int:
+    """Print a written result's goals with their verdicts; returns 0."""
     for t in out["targets"]:
         print(f"[{'met' if t['met'] else 'NOT met'}] {t['goal']}: {t['measured']}")
     print(f"written {path}")

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_description  # noqa: E402
-from bench_compare import targets, write_and_report  # noqa: E402
+from bench_compare import print_targets, targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compare_real.json"
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in _compare(args, work / "lora", data, heldout, lora_methods, 1, lora=True)["records"]:
             lora_records[(r["method"], r["seed"])] = r
         out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
-    return write_and_report(out, Path(args.out))
+    return print_targets(out, Path(args.out))  # write_result wrote it after each stage
 
 
 if __name__ == "__main__":

@@ -376,7 +376,8 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = os.fspath(spec)
-    builtin = name in BUILTIN_MODELS or name in GGUF_MODELS
+    # Directories we built (built-ins, converted GGUF files) carry their model id in _INFO.
+    built = name in BUILTIN_MODELS or name in GGUF_MODELS or name.lower().endswith(".gguf")
     if name in BUILTIN_MODELS:
         with _quiet_progress(True):
             path = _ensure_builtin(name, root)
@@ -385,7 +386,6 @@ def load_model(
     elif name.lower().endswith(".gguf"):
         if not Path(name).expanduser().is_file():
             raise ValueError(f"load_model: spec={name!r} names a GGUF file that does not exist.")
-        builtin = True
         path = convert_gguf(name)
     else:
         path = Path(name).expanduser()
@@ -401,7 +401,7 @@ def load_model(
                 "model.save_pretrained(dir) and tokenizer.save_pretrained(dir), then pass dir."
             )
         path = path.resolve()
-    if builtin:
+    if built:
         model_id = json.loads((path / _INFO).read_text(encoding="utf-8"))["model_id"]
     else:
         config_hash = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
@@ -410,7 +410,7 @@ def load_model(
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     try:
-        with _quiet_progress(builtin):
+        with _quiet_progress(built):
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
