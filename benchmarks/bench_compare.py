@@ -107,7 +107,8 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from clusterlm.compare import METHODS, add_compare_args, run_compare
+    from clusterlm.cli import add_compare_args
+    from clusterlm.compare import METHODS, run_compare
     from clusterlm.demo import demo_data
     from clusterlm.models import load_model
 

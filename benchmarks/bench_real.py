@@ -119,7 +119,8 @@ def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple
 
 def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, methods: list[str], seeds: int,
              lora: bool) -> dict[str, Any]:
-    from clusterlm.compare import add_compare_args, run_compare
+    from clusterlm.cli import add_compare_args
+    from clusterlm.compare import run_compare
 
     parser = argparse.ArgumentParser()
     add_compare_args(parser)

@@ -32,12 +32,23 @@ independently (what a ``DistributedSampler`` over the rank's examples would do).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["ALLOCATIONS", "allocate", "cluster_owners", "rebalance_tokens", "visit_order"]
+__all__ = [
+    "ALLOCATIONS",
+    "BALANCE_BATCH_SIZES",
+    "allocate",
+    "balance_stats",
+    "cluster_owners",
+    "rebalance_tokens",
+    "visit_order",
+]
 
 ALLOCATIONS = ("cluster-per-rank", "stratified")
+# Statistics of per-step token balance are reported for these micro-batch sizes.
+BALANCE_BATCH_SIZES = (1, 4, 16)
 
 
 def cluster_owners(groups: Sequence[np.ndarray], world_size: int, lengths: np.ndarray) -> list[int]:
@@ -238,3 +249,22 @@ def rebalance_tokens(
             totals[r] += lengths[groups[c]].sum() - old
     return groups, {"swaps_per_cluster": swaps, "rank_tokens_before": before,
                     "rank_tokens_after": totals.astype(np.int64).tolist()}
+
+
+def balance_stats(rank_lists: Sequence[np.ndarray], lengths: np.ndarray) -> dict[str, Any]:
+    """Token totals per rank and per-step max/mean token ratios at :data:`BALANCE_BATCH_SIZES` (plan stats)."""
+    tokens = np.stack([lengths[r] for r in rank_lists]).astype(np.float64)  # (K, m)
+    totals = tokens.sum(1)
+    out: dict[str, Any] = {"rank_tokens": totals.astype(np.int64).tolist(),
+                           "rank_tokens_max_over_mean": float(totals.max() / max(totals.mean(), 1.0))}
+    m = tokens.shape[1]
+    for b in BALANCE_BATCH_SIZES:
+        steps = m // b
+        if steps == 0:
+            continue
+        per_step = tokens[:, : steps * b].reshape(len(rank_lists), steps, b).sum(2)
+        ratio = per_step.max(0) / np.maximum(per_step.mean(0), 1.0)
+        out[f"step_max_over_mean@{b}"] = {
+            "mean": float(ratio.mean()), "p95": float(np.quantile(ratio, 0.95)), "max": float(ratio.max())
+        }
+    return out

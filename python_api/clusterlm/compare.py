@@ -47,77 +47,27 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-__all__ = ["METHODS", "STATE", "add_compare_args", "cmd_compare", "read_state", "run_compare", "summarize"]
+from clusterlm._io import atomic_write_text
+from clusterlm.baselines import full_plan, ifd_plan, less_plan, random_plan, s2l_plan
+from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
+from clusterlm.demo import demo_data
+from clusterlm.models import load_model
+from clusterlm.select import select
+from clusterlm.train import CKPT_DIR, SUMMARY, launch
+
+__all__ = ["METHODS", "N_VALIDATION", "STATE", "goals", "markdown_table", "read_state", "run_compare", "summarize"]
 
 METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "s2l", "ifd", "less")
 STATE = "compare_state.jsonl"
 N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) when --n-validation is not given
-
-
-def _methods_arg(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [m for m in names if m not in METHODS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
-    return names
-
-
-def _seeds_arg(value: str) -> list[int]:
-    """``3`` -> seeds 0, 1, 2; ``0,5,7`` -> those seeds."""
-    try:
-        if "," in value:
-            seeds = [int(v) for v in value.split(",") if v.strip()]
-        else:
-            seeds = list(range(int(value)))
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds >= 0 (0,1,2), got {value!r}")
-    return seeds
-
-
-def add_compare_args(p: argparse.ArgumentParser) -> None:
-    """Add ``clusterlm compare``'s options to ``p``."""
-    p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
-    p.add_argument("--eval-data", default=None, help="held-out data; default: the demo held-out split")
-    p.add_argument("--model", default="tiny-llama",
-                   help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
-    p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
-    p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
-    p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2], help="count (3) or list (0,1,2)")
-    p.add_argument("--out", default="runs/compare", help="output directory (resumable)")
-    p.add_argument("--epochs", type=int, default=1, help="training epochs over each method's selection")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="cap on optimizer steps (smoke runs; not with 'full', whose cost is defined by its data)")
-    # The trainer's defaults (clusterlm train), so that compare trains as a plain `train` would.
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (trainer, S2L proxy, LESS warm-up)")
-    p.add_argument("--warmup-ratio", type=float, default=0.03)
-    p.add_argument("--max-length", type=int, default=None, help="truncate examples (default: none, as train)")
-    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                   help="bf16 autocast in training (auto: on CUDA); passed to the trainer")
-    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank for training (0: full fine-tuning)")
-    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
-                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--n-validation", type=int, default=None,
-                   help="last examples of the eval data used as LESS's validation set, excluded from evaluation for "
-                   f"every method (default: {N_VALIDATION} when less runs, else 0)")
-    p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per training rank")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--s2l-clusters", type=int, default=100)
-    p.add_argument("--s2l-epochs", type=int, default=1)
-    p.add_argument("--less-epochs", type=int, default=4)
-    p.add_argument("--less-dim", type=int, default=1024)
-    p.add_argument("--no-progress", action="store_true")
 
 
 def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
@@ -157,32 +107,22 @@ def _append_state(path: Path, record: dict[str, Any]) -> None:
 def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.Namespace, seed: int,
             model_id: str) -> Any:
     """The plan of ``method`` (the call that is timed)."""
-    from clusterlm.baselines.random import full_plan, random_plan
-
     ws, ratio = args.world_size, args.ratio
     if method == "full":
         return full_plan(data, ws, seed=seed, model_id=model_id)
     if method == "random":
         return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
     if method in ("cluster", "cluster-tokens", "cluster-whole", "cluster-paper"):
-        from clusterlm.select import select
-
         budget = {"token_ratio": ratio} if method == "cluster-tokens" else {"ratio": ratio}
         return select(model, data, world_size=ws, seed=seed, model_id=model_id,
                       preset="paper" if method == "cluster-paper" else "default",
                       feature_tokens="all" if method == "cluster-whole" else None, progress=False, **budget)
     if method == "s2l":
-        from clusterlm.baselines.s2l import s2l_plan
-
         return s2l_plan(model, data, ws, ratio=ratio, seed=seed, lr=args.lr, micro_batch_size=args.micro_batch_size,
                         n_clusters=args.s2l_clusters, proxy_epochs=args.s2l_epochs, model_id=model_id)
     if method == "ifd":
-        from clusterlm.baselines.ifd import ifd_plan
-
         return ifd_plan(model, data, ws, ratio=ratio, seed=seed, model_id=model_id)
     if method == "less":
-        from clusterlm.baselines.less import less_plan
-
         return less_plan(model, data, ws, ratio=ratio, seed=seed, validation=validation, lr=args.lr,
                          warmup_epochs=args.less_epochs, micro_batch_size=args.micro_batch_size, dim=args.less_dim,
                          model_id=model_id)
@@ -211,16 +151,45 @@ def _train_argv(args: argparse.Namespace, plan_dir: Path, train_dir: Path, data_
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Run (or continue) the comparison; returns the ``compare.json`` content.
 
+    Args:
+        args: the options of ``clusterlm compare`` (:func:`clusterlm.cli.add_compare_args`).
+
     Raises:
         ValueError: bad arguments (ratio, world size, too few evaluation examples).
         RuntimeError: a training run failed (its output is above; rerun to continue).
     """
-    import torch
+    args = _checked(args)
+    data_path, eval_path = _data_paths(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = _settings(args, data_path, eval_path)
+    key = _key(settings)
+    state_path = out / STATE
+    done = {(r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") == key}
+    # Seed-major: an interrupted run has every method at its first seeds, not some methods at none.
+    todo = [(m, s) for s in args.seeds for m in args.methods if (m, s) not in done]
+    print(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s); {len(done)} done earlier "
+          f"(in {state_path}), {len(todo)} to run")
+    if todo:
+        saved_threads = torch.get_num_threads()
+        session = _Session.load(args, data_path, eval_path)
+        for method, seed in todo:
+            record = {"key": key, **session.run_unit(method, seed, out / "runs" / f"{method}-s{seed}", done)}
+            _append_state(state_path, record)
+            done[(method, seed)] = record
+        torch.set_num_threads(saved_threads)
+    records = [done[(m, s)] for m in args.methods for s in args.seeds]
+    summary = summarize(records, args.methods)
+    result = {"settings": settings, "key": key, "methods": args.methods, "seeds": args.seeds,
+              "summary": summary, "goals": goals(summary), "records": records}
+    atomic_write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out / "compare.md", markdown_table(result) + "\n")
+    plot_compare(result, out / "compare.png")
+    return result
 
-    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
-    from clusterlm.models import load_model
-    from clusterlm.train import CKPT_DIR, SUMMARY, launch
 
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse bad options before any model work; fill in the default ``n_validation``."""
     if not 0 < args.ratio <= 1:
         raise ValueError(f"compare: --ratio must be in (0, 1], got {args.ratio}.")
     if args.world_size < 1:
@@ -232,38 +201,45 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.n_validation is None:  # the held-out tail is LESS's only when it runs; explicit values always hold
         args = argparse.Namespace(**{**vars(args), "n_validation": N_VALIDATION if "less" in args.methods else 0})
+    return args
+
+
+def _data_paths(args: argparse.Namespace) -> tuple[str, str]:
+    """Training and held-out data files (the demo splits where not given)."""
     data_path, eval_path = args.data, args.eval_data
     if data_path is None or eval_path is None:
-        from clusterlm.demo import demo_data
-
         demo = demo_data()
         data_path = data_path or str(demo.train)
         eval_path = eval_path or str(demo.heldout)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = _settings(args, data_path, eval_path)
-    key = _key(settings)
-    state_path = out / STATE
-    done = {(r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") == key}
-    # Seed-major: an interrupted run has every method at its first seeds, not some methods at none.
-    todo = [(m, s) for s in args.seeds for m in args.methods if (m, s) not in done]
-    say = print
-    say(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s); {len(done)} done earlier "
-        f"(in {state_path}), {len(todo)} to run")
+    return data_path, eval_path
 
-    if todo:
+
+@dataclass
+class _Session:
+    """The model and data every unit shares, loaded once; :meth:`run_unit` selects, trains and records."""
+
+    args: argparse.Namespace
+    data_path: str
+    eval_path: str
+    model: Any
+    model_id: str
+    data: Any
+    validation: list[Any]
+    n_eval: int
+    use_cuda: bool
+
+    @classmethod
+    def load(cls, args: argparse.Namespace, data_path: str, eval_path: str) -> _Session:
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        device = torch.device("cuda" if use_cuda else "cpu")
-        saved_threads = torch.get_num_threads()
         if not use_cuda:
             torch.set_num_threads(max(1, args.threads * args.world_size))
         model, tokenizer, model_id = load_model(args.model)
-        model.to(device)
+        model.to(torch.device("cuda" if use_cuda else "cpu"))
         rendering = CHAT_TEMPLATE_MODES[args.chat_template]
         data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False, chat_template=rendering)
         eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False,
                              chat_template=rendering)
-        say(f"   data: {len(data)} training / {len(eval_set)} held-out examples, rendering {data.rendering!r}")
+        print(f"   data: {len(data)} training / {len(eval_set)} held-out examples, rendering {data.rendering!r}")
         n_eval_all = len(eval_set)
         # Every method is evaluated on the same examples: the validation tail is held back whichever methods run.
         n_validation = args.n_validation
@@ -274,62 +250,57 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         n_eval = n_eval_all - n_validation
         if args.eval_max_examples:
             n_eval = min(n_eval, args.eval_max_examples)
-        for method, seed in todo:
-            run_dir = out / "runs" / f"{method}-s{seed}"
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # a unit killed mid-way starts again
-            run_dir.mkdir(parents=True)
-            say(f"\n== {method}, seed {seed}: selection ==")
-            if method == "less" and not validation:
-                raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
-            if not use_cuda:  # the trainer restores its own thread count; set ours again per unit
-                torch.set_num_threads(max(1, args.threads * args.world_size))
-            else:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            plan = _select(method, model, data, validation, args, seed, model_id)
-            if use_cuda:
-                torch.cuda.synchronize()
-            selection_s = time.perf_counter() - t0
-            plan.save(run_dir / "plan")
-            say(f"   {plan.n_selected} of {len(data)} examples selected in {selection_s:.2f} s")
-            say(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
-            # The loss before training is the same for every unit (same model, same held-out data): measured once.
-            initial = next((r["initial_eval_loss"] for r in done.values() if r.get("initial_eval_loss") is not None),
-                           None)
-            argv = _train_argv(args, run_dir / "plan", run_dir / "train", data_path, eval_path, n_eval, seed,
-                               initial_eval=initial is None)
-            rc = launch(argv, args.world_size)
-            if rc != 0:
-                raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
-                                   f"above. Rerun the same command to continue with the units not yet done.")
-            summary = json.loads((run_dir / "train" / SUMMARY).read_text(encoding="utf-8"))
-            record = {
-                "key": key, "method": method, "seed": seed, "selection_s": selection_s,
-                "train_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
-                "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
-                "initial_eval_loss": summary["initial_eval_loss"] if initial is None else initial,
-                "n_selected": int(plan.n_selected),
-                "n_examples": len(data), "n_eval": n_eval, "n_validation": n_validation,
-                "fraction": plan.n_selected / len(data), "steps": summary["steps"],
-                "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
-            }
-            _append_state(state_path, record)
-            done[(method, seed)] = record
-            # The unit is recorded; its final checkpoint (weights + optimizer: 1.6 GB for a 135M model) is not
-            # needed to resume the comparison.
-            shutil.rmtree(run_dir / "train" / CKPT_DIR, ignore_errors=True)
-            say(f"   trained {summary['steps']} steps in {summary['train_time_s']:.1f} s; held-out loss "
-                f"{summary['final_eval_loss']:.4f}")
-        torch.set_num_threads(saved_threads)
-    records = [done[(m, s)] for m in args.methods for s in args.seeds]
-    result = {"settings": settings, "key": key, "methods": args.methods, "seeds": args.seeds,
-              "summary": summarize(records, args.methods), "goals": goals(summarize(records, args.methods)),
-              "records": records}
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / "compare.md").write_text(markdown_table(result) + "\n", encoding="utf-8")
-    plot_compare(result, out / "compare.png")
-    return result
+        return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda)
+
+    def _timed_select(self, method: str, seed: int) -> tuple[Any, float]:
+        if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
+            torch.set_num_threads(max(1, self.args.threads * self.args.world_size))
+        else:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = _select(method, self.model, self.data, self.validation, self.args, seed, self.model_id)
+        if self.use_cuda:
+            torch.cuda.synchronize()
+        return plan, time.perf_counter() - t0
+
+    def run_unit(self, method: str, seed: int, run_dir: Path, done: dict[tuple[str, int], Any]) -> dict[str, Any]:
+        """Select with ``method``, train on the plan, return the unit's record (without the settings key)."""
+        args = self.args
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a unit killed mid-way starts again
+        run_dir.mkdir(parents=True)
+        print(f"\n== {method}, seed {seed}: selection ==")
+        if method == "less" and not self.validation:
+            raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
+        plan, selection_s = self._timed_select(method, seed)
+        plan.save(run_dir / "plan")
+        print(f"   {plan.n_selected} of {len(self.data)} examples selected in {selection_s:.2f} s")
+        print(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
+        # The loss before training is the same for every unit (same model, same held-out data): measured once.
+        initial = next((r["initial_eval_loss"] for r in done.values() if r.get("initial_eval_loss") is not None),
+                       None)
+        argv = _train_argv(args, run_dir / "plan", run_dir / "train", self.data_path, self.eval_path, self.n_eval,
+                           seed, initial_eval=initial is None)
+        rc = launch(argv, args.world_size)
+        if rc != 0:
+            raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
+                               f"above. Rerun the same command to continue with the units not yet done.")
+        summary = json.loads((run_dir / "train" / SUMMARY).read_text(encoding="utf-8"))
+        # The unit is recorded by the caller; its final checkpoint (weights + optimizer: 1.6 GB for a 135M model) is
+        # not needed to resume the comparison.
+        shutil.rmtree(run_dir / "train" / CKPT_DIR, ignore_errors=True)
+        print(f"   trained {summary['steps']} steps in {summary['train_time_s']:.1f} s; held-out loss "
+              f"{summary['final_eval_loss']:.4f}")
+        return {
+            "method": method, "seed": seed, "selection_s": selection_s,
+            "train_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
+            "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
+            "initial_eval_loss": summary["initial_eval_loss"] if initial is None else initial,
+            "n_selected": int(plan.n_selected),
+            "n_examples": len(self.data), "n_eval": self.n_eval, "n_validation": args.n_validation,
+            "fraction": plan.n_selected / len(self.data), "steps": summary["steps"],
+            "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
+        }
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -431,30 +402,3 @@ def plot_compare(result: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    """``clusterlm compare``: run it, print the table; argument errors print one line and return 2."""
-    try:
-        result = run_compare(args)
-    except ValueError as e:
-        print(f"clusterlm compare: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except RuntimeError as e:
-        print(f"clusterlm compare: {e}", file=sys.stderr, flush=True)
-        return 1
-    print("\n" + markdown_table(result))
-    out = Path(args.out)
-    print(f"\nwritten: {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m clusterlm.compare``."""
-    parser = argparse.ArgumentParser(prog="python -m clusterlm.compare", description=__doc__.split("\n")[0])
-    add_compare_args(parser)
-    return cmd_compare(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

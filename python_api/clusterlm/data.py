@@ -55,7 +55,16 @@ import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
 
-__all__ = ["CHAT_TEMPLATE_MODES", "FORMATS", "IGNORE_INDEX", "SFTDataset", "collate", "fingerprint", "load_data"]
+__all__ = [
+    "CHAT_TEMPLATE_MODES",
+    "FORMATS",
+    "IGNORE_INDEX",
+    "SFTDataset",
+    "collate",
+    "fingerprint",
+    "lengths_of",
+    "load_data",
+]
 
 FORMATS = ("prompt-response", "alpaca", "chat", "tokenized")
 # The command lines' --chat-template values -> load_data(chat_template=...).
@@ -185,7 +194,8 @@ def fingerprint(examples: Any) -> dict[str, Any]:
     token, a label, the order or a length changes it; the tokenizer or file it came from does not matter.
 
     Args:
-        examples: an :class:`SFTDataset`, or a sequence of dicts with ``input_ids`` / ``labels`` (lists,
+        examples: an :class:`SFTDataset` (or anything with a ``fingerprint()`` method), or a sequence of dicts
+            with ``input_ids`` / ``labels`` (lists,
             numpy arrays or tensors), or of ``(input_ids, labels)`` pairs.
 
     Returns:
@@ -195,8 +205,8 @@ def fingerprint(examples: Any) -> dict[str, Any]:
         TypeError: an item is neither such a dict nor a pair.
         ValueError: an item's ``input_ids`` and ``labels`` differ in length or are not 1-D.
     """
-    if isinstance(examples, SFTDataset):
-        return examples.fingerprint()
+    if isinstance(examples, SFTDataset) or callable(getattr(examples, "fingerprint", None)):
+        return dict(examples.fingerprint())
     digest = hashlib.sha256()
     n = 0
     for i, item in enumerate(examples):
@@ -206,6 +216,14 @@ def fingerprint(examples: Any) -> dict[str, Any]:
         digest.update(labels.tobytes())
         n += 1
     return {"size": n, "sha256": digest.hexdigest()}
+
+
+def lengths_of(dataset: Any) -> np.ndarray:
+    """Tokens per example, int64 (N,): ``dataset.lengths`` when it has them, else ``len(input_ids)`` of each item."""
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths, dtype=np.int64)
+    return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
 
 
 def _as_int64(value: Any, what: str, index: int, caller: str) -> np.ndarray:

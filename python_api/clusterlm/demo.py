@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 
+from clusterlm.data import load_data
+
 __all__ = [
     "DEMO_VERSION",
     "DemoData",
@@ -445,8 +447,6 @@ def _describe(values: Iterable[int]) -> dict[str, float]:
 
 def _stats(root: Path, splits: dict[str, list[FunctionExample]], pretrain_chunks: list[str], counts: dict) -> dict:
     from transformers import AutoTokenizer
-
-    from clusterlm.data import load_data
 
     tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
     stats: dict[str, Any] = {

@@ -200,6 +200,51 @@ def _data_sha256(examples: list[tuple[np.ndarray, np.ndarray]]) -> str:
     return fingerprint(examples)["sha256"]
 
 
+@dataclass
+class PackedBatch:
+    """A padded batch and its packed view (the real tokens of every example, in order), on one device.
+
+    ``input_ids`` / ``attention_mask``: (B, T) int64; ``flat_idx``: positions of the real tokens in the
+    flattened (B * T) batch; ``cu``: (B + 1,) cumulative lengths; ``targets``: the next-token label of every
+    real token (-100 where there is none); ``token_weights``: ``1 / n_b`` on answer tokens (the per-example
+    mean loss), 0 elsewhere.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    flat_idx: torch.Tensor
+    cu: torch.Tensor
+    targets: torch.Tensor
+    token_weights: torch.Tensor
+
+
+def pack_batch(batch: Sequence[tuple[np.ndarray, np.ndarray]], device: torch.device) -> PackedBatch:
+    """Pad ``(input_ids, labels)`` pairs to a batch and build its packed view (:class:`PackedBatch`)."""
+    n_ex = len(batch)
+    lengths = np.array([len(ids) for ids, _ in batch], dtype=np.int64)
+    max_len = int(lengths.max())
+    input_ids = np.zeros((n_ex, max_len), dtype=np.int64)
+    attention = np.zeros((n_ex, max_len), dtype=np.int64)
+    targets = np.full((n_ex, max_len), IGNORE_INDEX, dtype=np.int64)
+    for b, (ids, labels) in enumerate(batch):
+        input_ids[b, : len(ids)] = ids
+        attention[b, : len(ids)] = 1
+        targets[b, : len(ids) - 1] = labels[1:]  # position t predicts token t + 1
+    real = attention.reshape(-1).astype(bool)
+    tgt = torch.from_numpy(targets.reshape(-1)[real]).to(device)
+    counts = np.array([(t != IGNORE_INDEX).sum() for t in targets], dtype=np.int64)
+    token_w = torch.from_numpy(np.repeat(1.0 / counts, lengths)).to(device, torch.float32)
+    token_w = torch.where(tgt != IGNORE_INDEX, token_w, torch.zeros_like(token_w))  # the loss's 1/n_b
+    return PackedBatch(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        attention_mask=torch.from_numpy(attention).to(device),
+        flat_idx=torch.from_numpy(np.nonzero(real)[0]).to(device),
+        cu=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(device),
+        targets=tgt,
+        token_weights=token_w,
+    )
+
+
 class GradientFeaturizer:
     """Per-example (projected) gradient features of a Hugging Face causal LM, optionally with LoRA.
 
@@ -512,75 +557,32 @@ class GradientFeaturizer:
 
     def _run_batch(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
         """Features of checked examples; must run inside ``_extraction_state``."""
-        device = self._device()
-        n_ex = len(batch)
-        lengths = np.array([len(ids) for ids, _ in batch], dtype=np.int64)
-        max_len = int(lengths.max())
-        input_ids = np.zeros((n_ex, max_len), dtype=np.int64)
-        attention = np.zeros((n_ex, max_len), dtype=np.int64)
-        targets = np.full((n_ex, max_len), IGNORE_INDEX, dtype=np.int64)
-        for b, (ids, labels) in enumerate(batch):
-            input_ids[b, : len(ids)] = ids
-            attention[b, : len(ids)] = 1
-            targets[b, : len(ids) - 1] = labels[1:]  # position t predicts token t + 1
-        # Packed layout: the real tokens of every example, in order.
-        real = attention.reshape(-1).astype(bool)
-        flat_idx = torch.from_numpy(np.nonzero(real)[0]).to(device)
-        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)])).to(device)
-        tgt = torch.from_numpy(targets.reshape(-1)[real]).to(device)
-        counts = np.array([(t != IGNORE_INDEX).sum() for t in targets], dtype=np.int64)
-        token_w = torch.from_numpy(np.repeat(1.0 / counts, lengths)).to(device, torch.float32)
-        token_w = torch.where(tgt != IGNORE_INDEX, token_w, torch.zeros_like(token_w))  # the loss's 1/n_b
-        feats = torch.zeros(n_ex, self.k_o, self.k_i, dtype=torch.float32, device=device)
-        ctx = {"flat_idx": flat_idx, "cu": cu, "out": feats, "shape": (n_ex, max_len), "seen": set()}
-        captured: dict[str, torch.Tensor] = {}
-
-        def head_pre_hook(module: nn.Module, args: tuple) -> tuple:
-            if not args:
-                raise RuntimeError("GradientFeaturizer: the lm head was called without positional hidden states.")
-            captured["h"] = args[0]
-            return (args[0][..., :0, :], *args[1:])  # the model gets empty logits: no (B, T, V) tensor
-
         if self.needs_backward and self._embeddings is None:
             raise ValueError(
                 "GradientFeaturizer: the model has no get_input_embeddings(); the backward pass needs it "
                 "to start gradients at the embeddings."
             )
-        ids_t = torch.from_numpy(input_ids).to(device)
-        mask_t = torch.from_numpy(attention).to(device)
-        grad_ctx = torch.enable_grad() if self.needs_backward else torch.no_grad()
-        autocast = (
-            torch.autocast(device_type=device.type, dtype=self.dtype)
-            if self.dtype is not None
-            else contextlib.nullcontext()
-        )
+        device = self._device()
+        batch_t = pack_batch(batch, device)
+        n_ex, max_len = batch_t.input_ids.shape
+        feats = torch.zeros(n_ex, self.k_o, self.k_i, dtype=torch.float32, device=device)
+        ctx = {"flat_idx": batch_t.flat_idx, "cu": batch_t.cu, "out": feats, "shape": (n_ex, max_len), "seen": set()}
         handles = []
         try:
-            handles.append(self._lm_head.register_forward_pre_hook(head_pre_hook))
+            captured = self._capture_head_input(handles)
             if self.needs_backward:
                 # Weights are frozen, so gradients must start at the embeddings' output.
                 handles.append(self._embeddings.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
                 for layer in self._layers:
                     handles.append(layer.module.register_forward_hook(self._make_layer_hook(layer, ctx, device)))
-            with grad_ctx:
-                with autocast:
-                    self.model(input_ids=ids_t, attention_mask=mask_t, use_cache=False)
-                if "h" not in captured:
-                    raise RuntimeError(
-                        f"GradientFeaturizer: the lm head {self._lm_head_name!r} was not called during "
-                        "the forward pass; this model computes its logits another way."
-                    )
-                h = captured.pop("h")
-                if h.dim() != 3 or tuple(h.shape[:2]) != (n_ex, max_len):
-                    raise RuntimeError(
-                        f"GradientFeaturizer: the lm head received hidden states of shape "
-                        f"{tuple(h.shape)}, expected (batch, seq, hidden)=({n_ex}, {max_len}, d)."
-                    )
-                h_packed = h.detach().reshape(-1, h.shape[-1]).index_select(0, flat_idx)
+            with torch.enable_grad() if self.needs_backward else torch.no_grad():
+                h = self._forward_hidden(batch_t, captured)
+                h_packed = h.detach().reshape(-1, h.shape[-1]).index_select(0, batch_t.flat_idx)
                 if self.needs_backward:
-                    self._backward(h, h_packed, flat_idx, tgt, token_w, cu, feats, device)
+                    self._backward(h, h_packed, batch_t.flat_idx, batch_t.targets, batch_t.token_weights, batch_t.cu,
+                                   feats, device)
                 else:
-                    self._head_only(h_packed, tgt, token_w, cu, feats, device)
+                    self._head_only(h_packed, batch_t.targets, batch_t.token_weights, batch_t.cu, feats, device)
         finally:
             for hd in handles:
                 hd.remove()
@@ -596,6 +598,41 @@ class GradientFeaturizer:
         if self.normalize:
             out = out / out.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         return out
+
+    def _capture_head_input(self, handles: list[Any]) -> dict[str, torch.Tensor]:
+        """Hook the lm head: keep its input hidden states and hand the model empty logits instead."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def head_pre_hook(module: nn.Module, args: tuple) -> tuple:
+            if not args:
+                raise RuntimeError("GradientFeaturizer: the lm head was called without positional hidden states.")
+            captured["h"] = args[0]
+            return (args[0][..., :0, :], *args[1:])  # the model gets empty logits: no (B, T, V) tensor
+
+        handles.append(self._lm_head.register_forward_pre_hook(head_pre_hook))
+        return captured
+
+    def _forward_hidden(self, batch_t: PackedBatch, captured: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run the model; the (B, T, d) hidden states its lm head received."""
+        autocast = (
+            torch.autocast(device_type=batch_t.input_ids.device.type, dtype=self.dtype)
+            if self.dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            self.model(input_ids=batch_t.input_ids, attention_mask=batch_t.attention_mask, use_cache=False)
+        if "h" not in captured:
+            raise RuntimeError(
+                f"GradientFeaturizer: the lm head {self._lm_head_name!r} was not called during "
+                "the forward pass; this model computes its logits another way."
+            )
+        h = captured.pop("h")
+        if h.dim() != 3 or tuple(h.shape[:2]) != tuple(batch_t.input_ids.shape):
+            raise RuntimeError(
+                f"GradientFeaturizer: the lm head received hidden states of shape "
+                f"{tuple(h.shape)}, expected (batch, seq, hidden)=({', '.join(map(str, batch_t.input_ids.shape))}, d)."
+            )
+        return h
 
     def _make_layer_hook(self, layer: _Layer, ctx: dict[str, Any], device: torch.device) -> Any:
         p_in = self._projection(layer.name, "in", layer.d_in, self.k_i, device)

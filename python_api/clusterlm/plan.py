@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.store import _atomic_write_bytes
+from clusterlm._io import atomic_write_bytes
+from clusterlm.data import fingerprint
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "selection_weights"]
 
@@ -226,6 +227,14 @@ class Plan:
                 labels out of range or cluster sizes that disagree with them, negative lengths, a
                 fingerprint whose size is not N, or config/timings/stats that cannot be stored as JSON.
         """
+        n = self._validate_shapes()
+        selected = self._validate_selection(n)
+        self._validate_weights(selected)
+        self._validate_clusters(n)
+        self._validate_records()
+
+    def _validate_shapes(self) -> int:
+        """Version, world size, per-rank list shapes and counts, array shapes, fingerprint; returns N."""
         if self.version != PLAN_VERSION:
             raise ValueError(
                 f"Plan.version: this clusterlm handles plan format version {PLAN_VERSION}, got {self.version!r}."
@@ -266,7 +275,10 @@ class Plan:
             )
         if not isinstance(self.model_id, str):
             raise ValueError(f"Plan.model_id: expected a str, got {type(self.model_id).__name__}.")
+        return n
 
+    def _validate_selection(self, n: int) -> np.ndarray:
+        """Indices in range and each at most once over all ranks; returns them concatenated."""
         selected = np.concatenate(self.rank_indices)
         if selected.min() < 0 or selected.max() >= n:
             raise ValueError(
@@ -281,7 +293,12 @@ class Plan:
                 f"Plan.rank_indices: every example may appear once in the plan; {dup.size} appear more than once "
                 f"(first: {dup[:5].tolist()})."
             )
+        return selected
 
+    def _validate_weights(self, selected: np.ndarray) -> None:
+        """Finite, non-negative, zero outside the selection, mean 1 over it."""
+        mask = np.zeros(len(self.weights), dtype=bool)
+        mask[selected] = True
         w = self.weights
         if not np.isfinite(w).all():
             raise ValueError(f"Plan.weights: must be finite, got {int((~np.isfinite(w)).sum())} non-finite values.")
@@ -300,6 +317,8 @@ class Plan:
                 "compute weights with clusterlm.plan.selection_weights."
             )
 
+    def _validate_clusters(self, n: int) -> None:
+        """Labels in range, sizes that count them, lengths >= 0."""
         labels = self.cluster_labels
         n_clusters = len(self.cluster_sizes)
         if n and (labels.min() < -1 or labels.max() >= n_clusters):
@@ -316,6 +335,9 @@ class Plan:
             )
         if n and self.lengths.min() < 0:
             raise ValueError(f"Plan.lengths: must be >= 0, got minimum {self.lengths.min()}.")
+
+    def _validate_records(self) -> None:
+        """config / timings / stats: dicts that JSON can store, timings in seconds."""
         for stage, sec in self.timings.items() if isinstance(self.timings, Mapping) else ():
             if isinstance(sec, bool) or not isinstance(sec, (int, float, np.integer, np.floating)):
                 raise ValueError(f"Plan.timings: stage {stage!r} must map to seconds (a number), got {sec!r}.")
@@ -416,12 +438,7 @@ class Plan:
         Raises:
             ValueError: naming every difference: data set size, content hash, world size.
         """
-        if callable(getattr(dataset, "fingerprint", None)):
-            data_fp = dataset.fingerprint()
-        else:
-            from clusterlm.data import fingerprint  # lazy: clusterlm.data pulls in tokenizer code
-
-            data_fp = fingerprint(dataset)
+        data_fp = fingerprint(dataset)
         problems = []
         plan_size, data_size = int(self.fingerprint["size"]), int(data_fp["size"])
         if plan_size != data_size:
@@ -574,8 +591,8 @@ class Plan:
         }
         text = json.dumps(meta, indent=2) + "\n"
         # npz first: a crash between the two renames leaves an old json whose checksum refuses the new npz.
-        _atomic_write_bytes(path / _NPZ, npz)
-        _atomic_write_bytes(path / _JSON, text.encode("utf-8"))
+        atomic_write_bytes(path / _NPZ, npz)
+        atomic_write_bytes(path / _JSON, text.encode("utf-8"))
         return path
 
     @classmethod

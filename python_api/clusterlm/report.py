@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from clusterlm._io import atomic_write
 from clusterlm.plan import Plan
 
 __all__ = ["MAX_MAP_POINTS", "draw_report", "pca_2d", "save_report_data"]
@@ -59,10 +60,7 @@ def save_report_data(directory: str | os.PathLike, features: Any, *, seed: int =
     """Store the PCA map coordinates beside a plan (``report_data.npz``)."""
     index, coords = pca_2d(features, seed=seed)
     path = Path(directory) / REPORT_DATA
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, index=index, coords=coords)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda f: np.savez(f, index=index, coords=coords))
 
 
 def draw_report(directory: str | os.PathLike, plan: Plan | None = None) -> Path:
@@ -141,8 +139,8 @@ def draw_report(directory: str | os.PathLike, plan: Plan | None = None) -> Path:
                  f"world size {plan.world_size}")
     fig.tight_layout()
     out = directory / REPORT_PNG
-    tmp = directory / (REPORT_PNG + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return out

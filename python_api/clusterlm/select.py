@@ -38,8 +38,8 @@ Token budget (default preset): ``token_ratio=`` / ``token_budget=`` instead of `
 Training cost follows tokens, and far-from-centroid picks are longer than average (8 % more tokens than a
 random sample of as many examples on the demo data), so the count per cluster ``m`` (the same for every
 cluster, hence every rank) is chosen after clustering as the one whose farthest-first picks total closest
-to the budget, within one example per cluster (:func:`count_for_tokens`); the K-means lower bound uses the
-count the budget buys at the mean length. Token balancing and the weights work as for an example budget:
+to the budget, within one example per cluster (:func:`clusterlm.budget.count_for_tokens`); the K-means lower
+bound uses the count the budget buys at the mean length. Token balancing and the weights work as for an example budget:
 the weights are still ``(n_c / N)(S / s_c)`` with counts, because the loss is a mean over examples (each
 example's loss is its own answer-token mean), so the estimate of the full-data gradient is unchanged.
 ``Plan.stats["token_budget"]`` records the requested and selected tokens.
@@ -55,29 +55,28 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from clusterlm.allocation import ALLOCATIONS, allocate, cluster_owners, rebalance_tokens, visit_order
+from cluster_kernels import capacity_kmeans
+from clusterlm.allocation import ALLOCATIONS, allocate, balance_stats, cluster_owners, rebalance_tokens, visit_order
+from clusterlm.budget import check_int, cluster_size_bound, count_for_tokens, resolve_any_budget, resolve_budget
+from clusterlm.data import fingerprint, lengths_of
+from clusterlm.features import GradientFeaturizer
+from clusterlm.picking import WITHIN_CLUSTER, l2_normalise, pick_in_cluster
 from clusterlm.plan import Plan, selection_weights
 
 __all__ = [
     "PRESETS",
-    "WITHIN_CLUSTER",
     "build_featurizer",
-    "main",
-    "pick_in_cluster",
-    "resolve_budget",
-    "count_for_tokens",
     "resolve_feature_tokens",
-    "resolve_token_budget",
     "select",
     "select_from_features",
 ]
 
 PRESETS = ("default", "paper")
-WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
 DEFAULT_DIM = (32, 32)
 # The default preset's feature window (tokens per example; benchmarks/bench_compare.py measures it).
 DEFAULT_FEATURE_TOKENS = 64
@@ -86,238 +85,11 @@ DEFAULT_FEATURE_TOKENS = 64
 TOKEN_BALANCE_SLACK = 0.1
 PAPER_CAP = 1.5
 PAPER_N_INIT = 10
-# Statistics of per-step token balance are reported for these micro-batch sizes.
-BALANCE_BATCH_SIZES = (1, 4, 16)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Argument checking
-# ---------------------------------------------------------------------------------------------------
-
-
-def _check_int(value: Any, name: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"select: {name} must be an int >= {low}, got {value!r}.")
-    return int(value)
-
-
-def resolve_budget(n: int, ratio: float | None, budget: int | None) -> int:
-    """Total number of examples requested: ``round(ratio * n)`` or ``budget``.
-
-    Raises:
-        ValueError: both or neither given, ratio outside (0, 1], budget outside [1, n].
-    """
-    if (ratio is None) == (budget is None):
-        raise ValueError(
-            f"select: give exactly one of ratio (fraction of the data) or budget (number of examples), got "
-            f"ratio={ratio!r}, budget={budget!r}."
-        )
-    if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ValueError(f"select: ratio must be in (0, 1], got {ratio!r}; e.g. ratio=0.31 keeps 31 %.")
-        return max(1, round(float(ratio) * n))
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= n:
-        raise ValueError(f"select: budget must be an int in [1, {n}] (the data set's size), got {budget!r}.")
-    return int(budget)
-
-
-def resolve_token_budget(lengths: np.ndarray, token_ratio: float | None, token_budget: int | None) -> int | None:
-    """Tokens requested: ``round(token_ratio * sum(lengths))``, ``token_budget``, or None (an example budget).
-
-    Raises:
-        ValueError: both given, token_ratio outside (0, 1], token_budget outside [1, total tokens].
-    """
-    if token_ratio is None and token_budget is None:
-        return None
-    total = int(np.asarray(lengths, dtype=np.int64).sum())
-    if token_ratio is not None and token_budget is not None:
-        raise ValueError(
-            f"select: give at most one of token_ratio and token_budget, got token_ratio={token_ratio!r}, "
-            f"token_budget={token_budget!r}."
-        )
-    if token_ratio is not None:
-        if isinstance(token_ratio, bool) or not isinstance(token_ratio, (int, float)) or not 0 < token_ratio <= 1:
-            raise ValueError(
-                f"select: token_ratio must be in (0, 1], got {token_ratio!r}; e.g. token_ratio=0.31 keeps 31 % of "
-                "the tokens."
-            )
-        return max(1, round(float(token_ratio) * total))
-    if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) or not (
-        1 <= token_budget <= total
-    ):
-        raise ValueError(
-            f"select: token_budget must be an int in [1, {total}] (the data set's tokens), got {token_budget!r}."
-        )
-    return int(token_budget)
-
-
-def _resolve_any_budget(n: int, lengths: np.ndarray, ratio: Any, budget: Any, token_ratio: Any, token_budget: Any,
-                        preset: str) -> int | None:
-    """Check that exactly one budget is given; the token budget (None for an example budget)."""
-    given = {k: v for k, v in (("ratio", ratio), ("budget", budget), ("token_ratio", token_ratio),
-                               ("token_budget", token_budget)) if v is not None}
-    if len(given) != 1:
-        raise ValueError(
-            "select: give exactly one of ratio / budget (examples) or token_ratio / token_budget (tokens), got "
-            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "none")
-            + "."
-        )
-    tokens = resolve_token_budget(lengths, token_ratio, token_budget)
-    if tokens is None:
-        resolve_budget(n, ratio, budget)
-    elif preset == "paper":
-        raise ValueError(
-            "select: preset='paper' reproduces the authors' example count (int(smallest cluster * ratio)); a token "
-            "budget is ours: use preset='default' with token_ratio/token_budget, or ratio with preset='paper'."
-        )
-    return tokens
-
-
-def count_for_tokens(picks: Sequence[np.ndarray], lengths: np.ndarray, tokens: int) -> int:
-    """The per-cluster count ``m`` whose first-``m`` picks of every cluster come closest to ``tokens`` in all.
-
-    Every cluster gives the same ``m`` (equal counts per rank), so the total is met up to one example per
-    cluster: ``m`` is the largest count whose total stays within the budget, or one more when that lands
-    closer. Bounded by the smallest ``len(picks[c])`` and at least 1.
-    """
-    cap = min(len(p) for p in picks)
-    assert cap >= 1, "an empty cluster; the caller enforces min sizes"
-    # cum[m] = tokens of the first m picks of every cluster together.
-    cum = np.zeros(cap + 1, dtype=np.int64)
-    for p in picks:
-        cum[1:] += np.cumsum(np.asarray(lengths, dtype=np.int64)[p[:cap]])
-    m = int(np.searchsorted(cum, tokens, side="right")) - 1  # largest m with cum[m] <= tokens
-    if m < cap and abs(int(cum[m + 1]) - tokens) < abs(tokens - int(cum[m])):
-        m += 1
-    return max(1, m)
-
-
-def _cluster_size_bound(value: Any, name: str, n: int, n_clusters: int, per_cluster: int) -> int | None:
-    """``"1.5x"`` (times N / C), ``"budget"`` (the per-cluster pick), an int, or None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value == "budget":
-            return per_cluster
-        if value.endswith("x"):
-            try:
-                factor = float(value[:-1])
-            except ValueError:
-                factor = -1.0
-            if factor > 0:
-                return math.ceil(factor * n / n_clusters)
-        raise ValueError(
-            f"select: {name} must be None, an int, 'budget' or a multiple of N / C such as '1.5x', got {value!r}."
-        )
-    return _check_int(value, name, 0)
-
-
-def _lengths_of(dataset: Any) -> np.ndarray:
-    lengths = getattr(dataset, "lengths", None)
-    if lengths is not None:
-        return np.asarray(lengths, dtype=np.int64)
-    return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
-
-
-def _fingerprint_of(dataset: Any) -> dict[str, Any]:
-    if hasattr(dataset, "fingerprint"):
-        return dict(dataset.fingerprint())
-    from clusterlm.data import fingerprint
-
-    return fingerprint(dataset)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Within-cluster selection
-# ---------------------------------------------------------------------------------------------------
-
-
-def _kcenter(x: np.ndarray, dist: np.ndarray, m: int) -> np.ndarray:
-    """Greedy k-center (farthest-point traversal) started at the point farthest from the centroid."""
-    x = np.asarray(x, dtype=np.float64)
-    start = int(np.lexsort((np.arange(len(dist)), -dist))[0])
-    chosen = [start]
-    gap = ((x - x[start]) ** 2).sum(1)
-    for _ in range(m - 1):
-        gap[chosen[-1]] = -1.0
-        nxt = int(np.argmax(gap))  # first index among ties: deterministic
-        chosen.append(nxt)
-        gap = np.minimum(gap, ((x - x[nxt]) ** 2).sum(1))
-    return np.asarray(chosen, dtype=np.int64)
-
-
-def pick_in_cluster(
-    members: np.ndarray,
-    distances: np.ndarray,
-    m: int,
-    *,
-    method: str = "farthest",
-    features: np.ndarray | None = None,
-    rng: np.random.Generator | None = None,
-) -> np.ndarray:
-    """Choose ``m`` of one cluster's members.
-
-    Args:
-        members: (n_c,) int64 data-set indices of the cluster's members.
-        distances: (N,) distance of every example to its own centroid.
-        m: how many to keep (``<= n_c``).
-        method: ``"farthest"`` / ``"nearest"`` from the centroid (ties by index), ``"random"`` (uniform,
-            needs ``rng``), ``"kcenter"`` (greedy farthest-point traversal in feature space, needs
-            ``features``; O(m n_c d)).
-        features: (N, d) features, for ``"kcenter"``.
-        rng: numpy Generator, for ``"random"``.
-
-    Returns:
-        (m,) int64 data-set indices, in pick order.
-    """
-    if method not in WITHIN_CLUSTER:
-        raise ValueError(f"select: within_cluster must be one of {WITHIN_CLUSTER}, got {method!r}.")
-    assert m <= len(members), "a cluster smaller than its pick; the caller enforces min sizes"
-    members = np.asarray(members, dtype=np.int64)
-    d = np.asarray(distances, dtype=np.float64)[members]
-    if method == "farthest":
-        return members[np.lexsort((members, -d))[:m]]
-    if method == "nearest":
-        return members[np.lexsort((members, d))[:m]]
-    if method == "random":
-        assert rng is not None
-        return rng.choice(members, size=m, replace=False)  # draw order: any prefix is a uniform sample
-    assert features is not None
-    return members[_kcenter(np.asarray(features)[members], d, m)]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Token-balance statistics
-# ---------------------------------------------------------------------------------------------------
-
-
-def _balance_stats(rank_lists: Sequence[np.ndarray], lengths: np.ndarray) -> dict[str, Any]:
-    tokens = np.stack([lengths[r] for r in rank_lists]).astype(np.float64)  # (K, m)
-    totals = tokens.sum(1)
-    out: dict[str, Any] = {"rank_tokens": totals.astype(np.int64).tolist(),
-                           "rank_tokens_max_over_mean": float(totals.max() / max(totals.mean(), 1.0))}
-    m = tokens.shape[1]
-    for b in BALANCE_BATCH_SIZES:
-        steps = m // b
-        if steps == 0:
-            continue
-        per_step = tokens[:, : steps * b].reshape(len(rank_lists), steps, b).sum(2)
-        ratio = per_step.max(0) / np.maximum(per_step.mean(0), 1.0)
-        out[f"step_max_over_mean@{b}"] = {
-            "mean": float(ratio.mean()), "p95": float(np.quantile(ratio, 0.95)), "max": float(ratio.max())
-        }
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # Selection from fixed features
 # ---------------------------------------------------------------------------------------------------
-
-
-def _l2_normalise(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
-    return (x / np.where(norms > 0, norms, 1.0)).astype(np.float32)
 
 
 def select_from_features(
@@ -345,7 +117,7 @@ def select_from_features(
     model_id: str = "",
     timings: Mapping[str, float] | None = None,
     extra_config: Mapping[str, Any] | None = None,
-    clustering: Callable[..., Any] | None = None,
+    cluster_fn: Callable[..., Any] | None = None,
 ) -> Plan:
     """Cluster fixed per-example features and build the :class:`Plan` (steps 2-4 of the method).
 
@@ -356,7 +128,7 @@ def select_from_features(
         ratio / budget: fraction or number of examples to keep (exactly one of these four).
         token_ratio / token_budget: fraction or number of *tokens* (prompt + answer, ``lengths``) to keep
             instead: every cluster gives the same count, chosen so that the selected tokens meet the
-            budget up to one example per cluster (:func:`count_for_tokens`; the result is in
+            budget up to one example per cluster (:func:`clusterlm.budget.count_for_tokens`; the result is in
             ``Plan.stats["token_budget"]``). Default preset only.
         preset: ``"default"`` or ``"paper"`` (see the module docstring; the paper preset fixes
             ``max_cluster_size``, ``min_cluster_size``, ``within_cluster``, ``allocation``,
@@ -381,8 +153,8 @@ def select_from_features(
         model_id: recorded in the plan.
         timings: earlier stage timings (e.g. features) to record with this call's.
         extra_config: more configuration to record.
-        clustering: replaces the in-process K-means (used by the distributed selection):
-            ``clustering(n_clusters, *, min_size, max_size, n_init, max_iter, seed, l2_normalize)`` returning
+        cluster_fn: replaces the in-process K-means (used by the distributed selection):
+            ``cluster_fn(n_clusters, *, min_size, max_size, n_init, max_iter, seed, l2_normalize)`` returning
             an object with ``labels`` and ``distances`` for all N rows, ``inertia``, ``n_iter``, ``converged``.
 
     Returns:
@@ -392,166 +164,29 @@ def select_from_features(
         ValueError / TypeError: bad arguments (each names the argument and the fix), a budget that
             leaves no example per cluster, bounds no clustering can meet.
     """
-    from cluster_kernels import capacity_kmeans
-
-    if preset not in PRESETS:
-        raise ValueError(f"select: preset must be one of {PRESETS}, got {preset!r}.")
-    world_size = _check_int(world_size, "world_size")
-    clusters_per_rank = _check_int(clusters_per_rank, "clusters_per_rank")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"select: allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
-    if within_cluster not in WITHIN_CLUSTER:
-        raise ValueError(f"select: within_cluster must be one of {WITHIN_CLUSTER}, got {within_cluster!r}.")
-    if hasattr(features, "detach"):
-        features = features.detach().cpu().numpy()
-    x = np.asarray(features)
-    if x.ndim != 2 or x.dtype not in (np.float32, np.float64):
-        raise ValueError(f"select: features must be a (N, d) float32/float64 array, got {x.shape} {x.dtype}.")
-    n = x.shape[0]
-    lengths = np.ones(n, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
-    if lengths.shape != (n,):
-        raise ValueError(f"select: lengths must have shape ({n},) like the features' rows, got {lengths.shape}.")
-    n_clusters = world_size * clusters_per_rank
-    if n < n_clusters:
-        raise ValueError(
-            f"select: {n} examples cannot fill {n_clusters} clusters (world_size={world_size} x "
-            f"clusters_per_rank={clusters_per_rank}); use fewer ranks or more data."
-        )
-    tokens_requested = _resolve_any_budget(n, lengths, ratio, budget, token_ratio, token_budget, preset)
-    if tokens_requested is None:
-        requested = resolve_budget(n, ratio, budget)
-    else:
-        # Examples the token budget buys at the mean length: the per-cluster lower bound for K-means.
-        requested = min(n, max(n_clusters, round(tokens_requested / max(float(lengths.mean()), 1.0))))
+    x = _check_features(features)
+    lengths = _check_lengths(lengths, x.shape[0])
+    s = _resolve_settings(
+        x.shape[0], lengths, world_size=world_size, clusters_per_rank=clusters_per_rank, preset=preset,
+        ratio=ratio, budget=budget, token_ratio=token_ratio, token_budget=token_budget,
+        max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size, within_cluster=within_cluster,
+        allocation=allocation, token_balance=token_balance, token_balance_slack=token_balance_slack, n_init=n_init,
+    )
     stage: dict[str, float] = dict(timings or {})
-    stats: dict[str, Any] = {"requested": requested}
-
-    if preset == "paper":
-        fixed = {"max_cluster_size": (max_cluster_size, "1.5x"), "min_cluster_size": (min_cluster_size, "budget"),
-                 "within_cluster": (within_cluster, "farthest"), "allocation": (allocation, "cluster-per-rank"),
-                 "clusters_per_rank": (clusters_per_rank, 1)}
-        for name, (given, default) in fixed.items():
-            if given != default:
-                raise ValueError(
-                    f"select: preset='paper' reproduces the authors' algorithm, which fixes {name}; got "
-                    f"{name}={given!r}. Use preset='default' to change it."
-                )
-        if ratio is None:
-            ratio = requested / n  # the authors' code takes a ratio; a budget is converted to one
-        if world_size > 1 and clustering is None:
-            x = _l2_normalise(x)
-        lo, hi = None, math.ceil(PAPER_CAP * n / n_clusters)
-        n_init = PAPER_N_INIT if n_init is None else n_init
-        token_balance = False if token_balance is None else token_balance
-    else:
-        per_cluster = requested // n_clusters
-        if per_cluster < 1:
-            raise ValueError(
-                f"select: a budget of {requested} examples gives less than one example to each of {n_clusters} "
-                f"clusters; raise ratio/budget to at least {n_clusters} examples or use fewer clusters."
-            )
-        lo = _cluster_size_bound(min_cluster_size, "min_cluster_size", n, n_clusters, per_cluster)
-        hi = _cluster_size_bound(max_cluster_size, "max_cluster_size", n, n_clusters, per_cluster)
-        n_init = 3 if n_init is None else n_init
-        token_balance = True if token_balance is None else token_balance
-
+    if s.normalize and cluster_fn is None:
+        x = l2_normalise(x)
     t0 = time.perf_counter()
-    if clustering is None:
-        km = capacity_kmeans(x, n_clusters, min_size=lo, max_size=hi, n_init=int(n_init), max_iter=int(max_iter),
-                             seed=int(seed), backend=kmeans_backend)
-    else:
-        km = clustering(n_clusters, min_size=lo, max_size=hi, n_init=int(n_init), max_iter=int(max_iter),
-                        seed=int(seed), l2_normalize=preset == "paper" and world_size > 1)
+    km = _cluster(x, s, seed=int(seed), max_iter=int(max_iter), kmeans_backend=kmeans_backend, cluster_fn=cluster_fn)
     stage["kmeans"] = time.perf_counter() - t0
-    labels = np.asarray(km.labels, dtype=np.int64)
-    dist = np.asarray(km.distances, dtype=np.float64)
-    sizes = np.bincount(labels, minlength=n_clusters).astype(np.int64)
-    members = [np.flatnonzero(labels == c) for c in range(n_clusters)]
-
     t0 = time.perf_counter()
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5E1EC7]))
-    if preset == "paper":
-        per_cluster = int(sizes.min() * float(ratio))
-        if per_cluster < 1:
-            raise ValueError(
-                f"select: preset='paper' keeps int(smallest cluster {sizes.min()} * ratio {ratio}) = 0 examples per "
-                "cluster; raise the ratio or use preset='default'."
-            )
-        stats["rounding"] = (
-            f"paper preset: smallest cluster {int(sizes.min())} x ratio {float(ratio):g} -> {per_cluster} per cluster, "
-            f"{per_cluster * n_clusters} selected of {requested} requested"
-        )
-    elif requested != per_cluster * n_clusters:
-        stats["rounding"] = (
-            f"{requested} requested -> {per_cluster * n_clusters} selected ({per_cluster} from each of {n_clusters} "
-            f"clusters; the total is a multiple of world_size x clusters_per_rank = {n_clusters})"
-        )
-    if not 0 <= token_balance_slack <= 1:
-        raise ValueError(f"select: token_balance_slack must be in [0, 1], got {token_balance_slack!r}.")
-    rebalance = bool(token_balance) and allocation == "cluster-per-rank" and world_size > 1 and token_balance_slack > 0
-    n_spare = math.ceil(token_balance_slack * per_cluster) if rebalance else 0
-    if tokens_requested is not None:
-        # Order more candidates than the estimate (picks may be shorter than average); kcenter is O(m n_c d).
-        depth = 3 * per_cluster + n_spare if within_cluster == "kcenter" else n
-        picks = [pick_in_cluster(mem, dist, min(depth, len(mem)), method=within_cluster, features=x, rng=rng)
-                 for mem in members]
-        estimate = per_cluster
-        per_cluster = count_for_tokens(picks, lengths, tokens_requested)
-        n_spare = math.ceil(token_balance_slack * per_cluster) if rebalance else 0
-        picks = [p[: per_cluster + n_spare] for p in picks]
-        requested_note = (f"token budget {tokens_requested} -> {per_cluster} examples from each of {n_clusters} "
-                          f"clusters (estimate at the mean length: {estimate})")
-        stats.pop("rounding", None)
-    else:
-        picks = [
-            pick_in_cluster(mem, dist, min(per_cluster + n_spare, len(mem)), method=within_cluster, features=x,
-                            rng=rng)
-            for mem in members
-        ]
-    groups = [p[:per_cluster] for p in picks]
-    if rebalance:
-        n_free = [min(n_spare, len(g)) for g in groups]
-        owners = cluster_owners(groups, world_size, lengths)
-        groups, stats["token_rebalance"] = rebalance_tokens(
-            groups, [p[per_cluster:] for p in picks], owners, lengths, world_size, n_free
-        )
-    if any(len(g) < per_cluster for g in groups):
-        if allocation == "cluster-per-rank":
-            raise ValueError(
-                f"select: cluster sizes {sizes.tolist()} include clusters smaller than the per-cluster pick "
-                f"{per_cluster}, so ranks would get different counts; keep min_cluster_size='budget' or use "
-                "allocation='stratified'."
-            )
-        # Stratified: trim the largest groups so that the total splits evenly over the ranks.
-        total = sum(len(g) for g in groups)
-        for c in np.argsort([-len(g) for g in groups], kind="stable")[: total % world_size]:
-            groups[c] = groups[c][:-1]
-    selected = np.concatenate(groups)
-    if tokens_requested is not None:
-        got = int(lengths[selected].sum())
-        stats["token_budget"] = {
-            "requested_tokens": int(tokens_requested), "selected_tokens": got,
-            "relative_error": got / tokens_requested - 1.0,
-            "one_example_per_cluster_tokens": float(lengths[selected].mean() * n_clusters), "note": requested_note,
-        }
-    weights = selection_weights(labels, selected, n_clusters)
-    rank_lists = allocate(groups, world_size, lengths, allocation=allocation,
-                          owners=owners if rebalance else None)
-    rank_lists = visit_order(rank_lists, lengths, token_balance=bool(token_balance), seed=int(seed))
+    picked = _pick(x, km, s, lengths, seed=int(seed))
     stage["picks"] = time.perf_counter() - t0
     stage["total"] = sum(v for k, v in stage.items() if k != "total")
-    stats.update(
-        selected=int(len(selected)),
-        per_cluster=int(per_cluster),
-        token_balance=_balance_stats(rank_lists, lengths),
-        kmeans={"inertia": float(km.inertia), "n_iter": int(km.n_iter), "converged": bool(km.converged),
-                "min_size": lo, "max_size": hi},
-    )
     config = {
         "method": "cluster",
         "preset": preset,
-        "world_size": world_size,
-        "ratio": None if ratio is None else float(ratio),
+        "world_size": s.world_size,
+        "ratio": None if s.ratio is None else float(s.ratio),
         "budget": None if budget is None else int(budget),
         "token_ratio": None if token_ratio is None else float(token_ratio),
         "token_budget": None if token_budget is None else int(token_budget),
@@ -560,27 +195,266 @@ def select_from_features(
         "min_cluster_size": min_cluster_size,
         "within_cluster": within_cluster,
         "allocation": allocation,
-        "token_balance": bool(token_balance),
-        "clusters_per_rank": clusters_per_rank,
-        "token_balance_slack": float(token_balance_slack) if rebalance else 0.0,
-        "n_init": int(n_init),
+        "token_balance": s.token_balance,
+        "clusters_per_rank": s.clusters_per_rank,
+        "token_balance_slack": float(token_balance_slack) if s.rebalance else 0.0,
+        "n_init": s.n_init,
         "max_iter": int(max_iter),
         "feature_dim": int(x.shape[1]),
-        "normalized_in_select": preset == "paper" and world_size > 1,
+        "normalized_in_select": s.normalize,
         **dict(extra_config or {}),
     }
+    return _assemble_plan(km, s, picked, lengths, seed=int(seed), config=config, timings=stage,
+                          fingerprint=fingerprint, model_id=model_id)
+
+
+@dataclass
+class _Settings:
+    """What the preset and the arguments resolve to, before any clustering."""
+
+    preset: str
+    world_size: int
+    clusters_per_rank: int
+    n_clusters: int
+    requested: int  # examples requested (for a token budget: what it buys at the mean length)
+    tokens: int | None  # the token budget, or None for an example budget
+    ratio: float | None  # the paper preset's ratio (a budget is converted to one)
+    lo: int | None
+    hi: int | None
+    n_init: int
+    within_cluster: str
+    allocation: str
+    token_balance: bool
+    token_balance_slack: float
+    per_cluster: int  # the default preset's per-cluster pick (the paper preset's comes after clustering)
+    normalize: bool  # L2-normalise the features before K-means (the paper preset with world_size > 1)
+
+    @property
+    def rebalance(self) -> bool:
+        """Exchange picks for equal rank token totals (cluster-per-rank allocation only)."""
+        return (self.token_balance and self.allocation == "cluster-per-rank" and self.world_size > 1
+                and self.token_balance_slack > 0)
+
+    def spare(self, per_cluster: int) -> int:
+        """Candidates per cluster beyond the pick that token balancing may swap in."""
+        return math.ceil(self.token_balance_slack * per_cluster) if self.rebalance else 0
+
+
+def _check_features(features: Any) -> np.ndarray:
+    if hasattr(features, "detach"):
+        features = features.detach().cpu().numpy()
+    x = np.asarray(features)
+    if x.ndim != 2 or x.dtype not in (np.float32, np.float64):
+        raise ValueError(f"select: features must be a (N, d) float32/float64 array, got {x.shape} {x.dtype}.")
+    return x
+
+
+def _check_lengths(lengths: Any, n: int) -> np.ndarray:
+    lengths = np.ones(n, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (n,):
+        raise ValueError(f"select: lengths must have shape ({n},) like the features' rows, got {lengths.shape}.")
+    return lengths
+
+
+def _check_choices(preset: str, allocation: str, within_cluster: str, token_balance_slack: float) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"select: preset must be one of {PRESETS}, got {preset!r}.")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"select: allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
+    if within_cluster not in WITHIN_CLUSTER:
+        raise ValueError(f"select: within_cluster must be one of {WITHIN_CLUSTER}, got {within_cluster!r}.")
+    if not 0 <= token_balance_slack <= 1:
+        raise ValueError(f"select: token_balance_slack must be in [0, 1], got {token_balance_slack!r}.")
+
+
+def _check_paper_fixed(**given: Any) -> None:
+    """The paper preset fixes these arguments to their defaults: refuse any other value."""
+    fixed = {"max_cluster_size": "1.5x", "min_cluster_size": "budget", "within_cluster": "farthest",
+             "allocation": "cluster-per-rank", "clusters_per_rank": 1}
+    for name, default in fixed.items():
+        if given[name] != default:
+            raise ValueError(
+                f"select: preset='paper' reproduces the authors' algorithm, which fixes {name}; got "
+                f"{name}={given[name]!r}. Use preset='default' to change it."
+            )
+
+
+def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_per_rank: Any, preset: str,
+                      ratio: Any, budget: Any, token_ratio: Any, token_budget: Any, max_cluster_size: Any,
+                      min_cluster_size: Any, within_cluster: str, allocation: str, token_balance: bool | None,
+                      token_balance_slack: float, n_init: int | None) -> _Settings:
+    """Check every argument and resolve the preset: budgets, K-means bounds and restarts, token balance."""
+    _check_choices(preset, allocation, within_cluster, token_balance_slack)
+    world_size = check_int(world_size, "world_size")
+    clusters_per_rank = check_int(clusters_per_rank, "clusters_per_rank")
+    n_clusters = world_size * clusters_per_rank
+    if n < n_clusters:
+        raise ValueError(
+            f"select: {n} examples cannot fill {n_clusters} clusters (world_size={world_size} x "
+            f"clusters_per_rank={clusters_per_rank}); use fewer ranks or more data."
+        )
+    tokens = resolve_any_budget(n, lengths, ratio, budget, token_ratio, token_budget, preset)
+    if tokens is None:
+        requested = resolve_budget(n, ratio, budget)
+    else:
+        # Examples the token budget buys at the mean length: the per-cluster lower bound for K-means.
+        requested = min(n, max(n_clusters, round(tokens / max(float(lengths.mean()), 1.0))))
+    common = {"preset": preset, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
+              "n_clusters": n_clusters, "requested": requested, "tokens": tokens, "within_cluster": within_cluster,
+              "allocation": allocation, "token_balance_slack": float(token_balance_slack)}
+    if preset == "paper":
+        _check_paper_fixed(max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size,
+                           within_cluster=within_cluster, allocation=allocation, clusters_per_rank=clusters_per_rank)
+        return _Settings(
+            **common, ratio=requested / n if ratio is None else ratio,  # the authors' code takes a ratio
+            lo=None, hi=math.ceil(PAPER_CAP * n / n_clusters), n_init=PAPER_N_INIT if n_init is None else int(n_init),
+            token_balance=bool(token_balance), per_cluster=0, normalize=world_size > 1,
+        )
+    per_cluster = requested // n_clusters
+    if per_cluster < 1:
+        raise ValueError(
+            f"select: a budget of {requested} examples gives less than one example to each of {n_clusters} "
+            f"clusters; raise ratio/budget to at least {n_clusters} examples or use fewer clusters."
+        )
+    return _Settings(
+        **common, ratio=ratio,
+        lo=cluster_size_bound(min_cluster_size, "min_cluster_size", n, n_clusters, per_cluster),
+        hi=cluster_size_bound(max_cluster_size, "max_cluster_size", n, n_clusters, per_cluster),
+        n_init=3 if n_init is None else int(n_init),
+        token_balance=True if token_balance is None else bool(token_balance),
+        per_cluster=per_cluster, normalize=False,
+    )
+
+
+def _cluster(x: np.ndarray, s: _Settings, *, seed: int, max_iter: int, kmeans_backend: str,
+             cluster_fn: Callable[..., Any] | None) -> Any:
+    """Capacity K-means on the features (or ``cluster_fn``, the distributed one); labels and distances."""
+    if cluster_fn is not None:
+        return cluster_fn(s.n_clusters, min_size=s.lo, max_size=s.hi, n_init=s.n_init, max_iter=max_iter, seed=seed,
+                          l2_normalize=s.normalize)
+    return capacity_kmeans(x, s.n_clusters, min_size=s.lo, max_size=s.hi, n_init=s.n_init, max_iter=max_iter,
+                           seed=seed, backend=kmeans_backend)
+
+
+@dataclass
+class _Picked:
+    """Step 3's result: the selected examples of every cluster, and what the plan records about them."""
+
+    groups: list[np.ndarray]  # per cluster, in pick order
+    per_cluster: int
+    owners: Any  # cluster -> rank chosen by token balancing, or None
+    stats: dict[str, Any]
+
+
+def _paper_count(sizes: np.ndarray, s: _Settings) -> tuple[int, str]:
+    """The authors' count: ``int(smallest cluster * ratio)`` per cluster (and the note for the plan)."""
+    per_cluster = int(sizes.min() * float(s.ratio))
+    if per_cluster < 1:
+        raise ValueError(
+            f"select: preset='paper' keeps int(smallest cluster {sizes.min()} * ratio {s.ratio}) = 0 examples per "
+            "cluster; raise the ratio or use preset='default'."
+        )
+    note = (f"paper preset: smallest cluster {int(sizes.min())} x ratio {float(s.ratio):g} -> {per_cluster} per "
+            f"cluster, {per_cluster * s.n_clusters} selected of {s.requested} requested")
+    return per_cluster, note
+
+
+def _pick(x: np.ndarray, km: Any, s: _Settings, lengths: np.ndarray, *, seed: int) -> _Picked:
+    """Step 3: the per-cluster count, the picks in every cluster, token rebalancing."""
+    labels = np.asarray(km.labels, dtype=np.int64)
+    dist = np.asarray(km.distances, dtype=np.float64)
+    sizes = np.bincount(labels, minlength=s.n_clusters).astype(np.int64)
+    members = [np.flatnonzero(labels == c) for c in range(s.n_clusters)]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7]))
+    stats: dict[str, Any] = {"requested": s.requested}
+    per_cluster = s.per_cluster
+    if s.preset == "paper":
+        per_cluster, stats["rounding"] = _paper_count(sizes, s)
+    elif s.requested != per_cluster * s.n_clusters:
+        stats["rounding"] = (
+            f"{s.requested} requested -> {per_cluster * s.n_clusters} selected ({per_cluster} from each of "
+            f"{s.n_clusters} clusters; the total is a multiple of world_size x clusters_per_rank = {s.n_clusters})"
+        )
+
+    def ordered(depth: int) -> list[np.ndarray]:
+        return [pick_in_cluster(mem, dist, min(depth, len(mem)), method=s.within_cluster, features=x, rng=rng)
+                for mem in members]
+
+    if s.tokens is not None:
+        # Order more candidates than the estimate (picks may be shorter than average); kcenter is O(m n_c d).
+        picks = ordered(3 * per_cluster + s.spare(per_cluster) if s.within_cluster == "kcenter" else len(x))
+        estimate, per_cluster = per_cluster, count_for_tokens(picks, lengths, s.tokens)
+        picks = [p[: per_cluster + s.spare(per_cluster)] for p in picks]
+        stats.pop("rounding", None)
+        stats["token_budget_note"] = (f"token budget {s.tokens} -> {per_cluster} examples from each of "
+                                      f"{s.n_clusters} clusters (estimate at the mean length: {estimate})")
+    else:
+        picks = ordered(per_cluster + s.spare(per_cluster))
+    groups, owners = [p[:per_cluster] for p in picks], None
+    if s.rebalance:
+        n_free = [min(s.spare(per_cluster), len(g)) for g in groups]
+        owners = cluster_owners(groups, s.world_size, lengths)
+        groups, stats["token_rebalance"] = rebalance_tokens(
+            groups, [p[per_cluster:] for p in picks], owners, lengths, s.world_size, n_free
+        )
+    groups = _even_groups(groups, per_cluster, sizes, s)
+    return _Picked(groups=groups, per_cluster=per_cluster, owners=owners, stats=stats)
+
+
+def _even_groups(groups: list[np.ndarray], per_cluster: int, sizes: np.ndarray, s: _Settings) -> list[np.ndarray]:
+    """Refuse clusters smaller than the pick (cluster-per-rank), or trim so the ranks get equal counts."""
+    if all(len(g) >= per_cluster for g in groups):
+        return groups
+    if s.allocation == "cluster-per-rank":
+        raise ValueError(
+            f"select: cluster sizes {sizes.tolist()} include clusters smaller than the per-cluster pick "
+            f"{per_cluster}, so ranks would get different counts; keep min_cluster_size='budget' or use "
+            "allocation='stratified'."
+        )
+    # Stratified: trim the largest groups so that the total splits evenly over the ranks.
+    total = sum(len(g) for g in groups)
+    for c in np.argsort([-len(g) for g in groups], kind="stable")[: total % s.world_size]:
+        groups[c] = groups[c][:-1]
+    return groups
+
+
+def _assemble_plan(km: Any, s: _Settings, picked: _Picked, lengths: np.ndarray, *, seed: int,
+                   config: dict[str, Any], timings: dict[str, float], fingerprint: Mapping[str, Any] | None,
+                   model_id: str) -> Plan:
+    """Step 4: weights, rank lists and visit orders, statistics, the Plan."""
+    labels = np.asarray(km.labels, dtype=np.int64)
+    sizes = np.bincount(labels, minlength=s.n_clusters).astype(np.int64)
+    selected = np.concatenate(picked.groups)
+    stats = dict(picked.stats)
+    note = stats.pop("token_budget_note", None)
+    if s.tokens is not None:
+        got = int(lengths[selected].sum())
+        stats["token_budget"] = {
+            "requested_tokens": int(s.tokens), "selected_tokens": got, "relative_error": got / s.tokens - 1.0,
+            "one_example_per_cluster_tokens": float(lengths[selected].mean() * s.n_clusters), "note": note,
+        }
+    rank_lists = allocate(picked.groups, s.world_size, lengths, allocation=s.allocation, owners=picked.owners)
+    rank_lists = visit_order(rank_lists, lengths, token_balance=s.token_balance, seed=seed)
+    stats.update(
+        selected=int(len(selected)),
+        per_cluster=int(picked.per_cluster),
+        token_balance=balance_stats(rank_lists, lengths),
+        kmeans={"inertia": float(km.inertia), "n_iter": int(km.n_iter), "converged": bool(km.converged),
+                "min_size": s.lo, "max_size": s.hi},
+    )
+    n = len(labels)
     return Plan(
-        world_size=world_size,
+        world_size=s.world_size,
         rank_indices=rank_lists,
-        weights=weights,
+        weights=selection_weights(labels, selected, s.n_clusters),
         cluster_labels=labels,
-        distances=dist,
+        distances=np.asarray(km.distances, dtype=np.float64),
         cluster_sizes=sizes,
         lengths=lengths,
         fingerprint=dict(fingerprint or {"size": n, "sha256": ""}),
         model_id=model_id,
         config=config,
-        timings=stage,
+        timings=timings,
         stats=stats,
     )
 
@@ -616,7 +490,6 @@ def resolve_feature_tokens(preset: str, feature_tokens: int | str | None) -> int
 def build_featurizer(model: Any, features: str | Sequence[str], *, dim: Any = None, seed: int = 0, dtype: Any = None,
                      max_tokens: int | None = None) -> Any:
     """The :class:`clusterlm.GradientFeaturizer` that :func:`select` uses for ``features``."""
-    from clusterlm.features import GradientFeaturizer
 
     if features == "paper":
         # The paper normalises in the selection step (only when world_size > 1); keep raw features here.
@@ -712,8 +585,8 @@ def select(
     if n == 0:
         raise ValueError("select: the data set is empty.")
     # Fail on bad budgets before the expensive stage.
-    _resolve_any_budget(n, _lengths_of(dataset), ratio, budget, token_ratio, token_budget, preset)
-    _check_int(world_size, "world_size")
+    resolve_any_budget(n, lengths_of(dataset), ratio, budget, token_ratio, token_budget, preset)
+    check_int(world_size, "world_size")
     max_tokens = resolve_feature_tokens(preset, feature_tokens)
     featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype, max_tokens=max_tokens)
     t0 = time.perf_counter()
@@ -722,7 +595,7 @@ def select(
     plan = select_from_features(
         feats,
         world_size=world_size,
-        lengths=_lengths_of(dataset),
+        lengths=lengths_of(dataset),
         ratio=ratio,
         budget=budget,
         token_ratio=token_ratio,
@@ -739,7 +612,7 @@ def select(
         n_init=n_init,
         max_iter=max_iter,
         kmeans_backend=kmeans_backend,
-        fingerprint=_fingerprint_of(dataset),
+        fingerprint=fingerprint(dataset),
         model_id=model_id or _model_id(model, featurizer),
         timings=timings,
         extra_config={"features": featurizer.config() | {"layers_preset": features if isinstance(features, str)
@@ -748,14 +621,7 @@ def select(
     return (plan, np.asarray(feats)) if return_features else plan
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun --nproc-per-node N -m clusterlm.select ARGS``: the arguments of ``clusterlm select``."""
-    from clusterlm.cli import build_parser, run_select
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m clusterlm.select ARGS (the arguments of `clusterlm select`)
+    from clusterlm.cli import main
 
-    args = build_parser().parse_args(["select", *(sys.argv[1:] if argv is None else argv)])
-    run_select(args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["select", *sys.argv[1:]]))

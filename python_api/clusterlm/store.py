@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from clusterlm._io import atomic_write_bytes, fsync_dir
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
@@ -48,19 +50,6 @@ __all__ = ["FeatureStore"]
 FORMAT = "clusterlm.features/1"
 _MANIFEST = "manifest.json"
 _FEATURES = "features.npy"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def _try_flock(fd: int, blocking: bool) -> bool:
@@ -99,21 +88,6 @@ def _locked_tmp(directory: Path, name: str) -> tuple[int, str]:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=name + ".", suffix=".tmp")
         _try_flock(fd, blocking=False)
     return fd, tmp
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 class FeatureStore:
@@ -173,7 +147,7 @@ class FeatureStore:
         return self._manifest
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
-        _atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
         self._manifest = manifest
 
     def _shards(self) -> dict[str, Any]:
@@ -315,7 +289,7 @@ class FeatureStore:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         with _dir_lock(self.path):
             manifest = self.reload()._read_manifest()  # other writers may have added shards meanwhile
             if manifest.get("complete"):
@@ -380,7 +354,7 @@ class FeatureStore:
             raise
         finally:
             os.close(fd)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         with _dir_lock(self.path):
             manifest = dict(self.reload()._read_manifest(), complete=True, n_examples=int(n_examples))
             self._write_manifest(manifest)

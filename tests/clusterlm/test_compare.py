@@ -9,13 +9,13 @@ import math
 
 import pytest
 
+import clusterlm.cli as cli
 import clusterlm.compare as compare
-import clusterlm.train as train_mod
 
 
 def _args(tmp_path, data, heldout, **over) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    compare.add_compare_args(parser)
+    cli.add_compare_args(parser)
     argv = ["--data", str(data), "--eval-data", str(heldout), "--model", "tiny-llama", "--methods", "random,cluster",
             "--seeds", "1", "--world-size", "1", "--max-steps", "2", "--micro-batch-size", "4", "--n-validation", "2",
             "--out", str(tmp_path / "cmp"), "--no-progress"]
@@ -38,7 +38,7 @@ def small_demo(demo, tmp_path):
 def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, tmp_path, monkeypatch, capsys):
     train, heldout = small_demo
     args = _args(tmp_path, train, heldout, n_validation=None)  # the default: no LESS, no validation tail
-    assert compare.cmd_compare(args) == 0
+    assert cli.cmd_compare(args) == 0
     out = tmp_path / "cmp"
     result = json.loads((out / "compare.json").read_text())
     assert [r["method"] for r in result["records"]] == ["random", "cluster"]
@@ -56,43 +56,43 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
 
     # a rerun with the same settings: nothing is selected or trained again
     calls: list[str] = []
-    real_select, real_launch = compare._select, train_mod.launch
+    real_select, real_launch = compare._select, compare.launch
     monkeypatch.setattr(compare, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
-    monkeypatch.setattr(train_mod, "launch", lambda *a, **k: (calls.append("train"), real_launch(*a, **k))[1])
-    assert compare.cmd_compare(args) == 0
+    monkeypatch.setattr(compare, "launch", lambda *a, **k: (calls.append("train"), real_launch(*a, **k))[1])
+    assert cli.cmd_compare(args) == 0
     assert calls == [] and (out / compare.STATE).read_text() == state
     assert "2 done earlier" in capsys.readouterr().out
 
     # a unit whose record is lost (killed before it was written) is the only one redone
     (out / compare.STATE).write_text(state.splitlines(keepends=True)[0])
-    assert compare.cmd_compare(args) == 0
+    assert cli.cmd_compare(args) == 0
     assert calls == ["cluster", "train"]
     assert len((out / compare.STATE).read_text().splitlines()) == 2
 
     # other settings do not reuse the records
     other = _args(tmp_path, train, heldout, methods=["random"], max_steps=1)
     calls.clear()
-    assert compare.cmd_compare(other) == 0
+    assert cli.cmd_compare(other) == 0
     assert calls == ["random", "train"]
 
 
 def test_compare_argument_errors(small_demo, tmp_path):
     train, heldout = small_demo
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10, methods=["random", "less"])) == 2
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2  # explicit: always held back
+    assert cli.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
+    assert cli.cmd_compare(_args(tmp_path, train, heldout, n_validation=10, methods=["random", "less"])) == 2
+    assert cli.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2  # explicit: always held back
     # full data trains as many steps as its data: --max-steps would make "total vs full" meaningless
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "random"])) == 2
+    assert cli.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "random"])) == 2
     with pytest.raises(SystemExit):
         parser = argparse.ArgumentParser()
-        compare.add_compare_args(parser)
+        cli.add_compare_args(parser)
         parser.parse_args(["--methods", "random,nope"])
 
 
 def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
-    monkeypatch.setattr("clusterlm.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert compare.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "cluster"])) == 2
+    monkeypatch.setattr("clusterlm.compare.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert cli.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "cluster"])) == 2
     err = capsys.readouterr().err
     assert "--max-steps 2 with method 'full'" in err and len(err.strip().splitlines()) == 1
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from cluster_kernels import capacity_kmeans
 from clusterlm.allocation import allocate, rebalance_tokens, visit_order
-from clusterlm.select import pick_in_cluster, select, select_from_features
+from clusterlm.picking import pick_in_cluster
+from clusterlm.select import select, select_from_features
 
 
 def _mixture(n: int, d: int = 8, k: int = 4, seed: int = 0) -> np.ndarray:

@@ -59,9 +59,11 @@ from torch.utils.data import Dataset
 from transformers import Trainer
 from transformers.utils import logging
 
+from clusterlm.data import collate
 from clusterlm.loss import per_example_loss, weighted_loss
 from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
+from clusterlm.select import select
 
 __all__ = ["WEIGHT_KEY", "ClusterTrainer", "PlanCollator", "PlanWeightedDataset"]
 
@@ -116,8 +118,6 @@ class PlanWeightedDataset(Dataset):
 
 
 def _default_collate(features: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    from clusterlm.data import collate  # lazy: clusterlm.data imports tokenizer code
-
     return collate(features, pad_id=pad_id)
 
 
@@ -252,8 +252,6 @@ class ClusterTrainer(Trainer):
             )
 
     def _select_plan(self) -> Plan:
-        from clusterlm.select import select
-
         kwargs = dict(self.select_kwargs or {})
         given = kwargs.pop("world_size", self.args.world_size)
         if given != self.args.world_size:

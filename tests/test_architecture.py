@@ -1,0 +1,214 @@
+"""The shape of the code: imports point one way and no private name crosses a module boundary.
+
+Every module of ``clusterlm`` and ``cluster_kernels`` is parsed with :mod:`ast` (never imported), so
+imports inside functions, ``importlib.import_module("...")`` and ``__import__("...")`` calls all count.
+Two rules (docs/architecture.md):
+
+* the graph of imports between project modules has no cycle;
+* a leading-underscore name defined in one module is never imported by another (what two modules share is
+  public in the module that owns it). Private *modules* (``_checks``, ``_io``, ``_C``) are fine to import:
+  the underscore there marks "internal to the package", not "internal to one file".
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"clusterlm": ROOT / "python_api" / "clusterlm", "cluster_kernels": ROOT / "cluster_kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, path in PACKAGES.items():
+        for file in sorted(path.rglob("*.py")):
+            rel = file.relative_to(path).with_suffix("")
+            parts = [pkg, *rel.parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = file
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an imported dotted name lives in (the longest known prefix), or None."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in MODULES:
+            return candidate
+    return None
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    is_pkg = MODULES[module].name == "__init__.py"
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` — code that runs only when the file is the ``-m`` entry point."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == "__main__"
+    )
+
+
+def imports_of(module: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in ``module``, nested ones too.
+
+    A module-level ``if __name__ == "__main__":`` block is left out: when it runs, the file is the script
+    ``__main__`` (``python -m clusterlm.train``), a different module object from ``clusterlm.train``, so
+    its import of the CLI closes no cycle.
+    """
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    tree.body = [stmt for stmt in tree.body if not _is_main_guard(stmt)]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _resolve(alias.name)
+                if target:
+                    found.append((target, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            for alias in node.names:
+                sub = _resolve(f"{source}.{alias.name}")
+                if sub and sub != _resolve(source):
+                    found.append((sub, None, node.lineno))  # `from pkg import submodule`
+                elif _resolve(source):
+                    found.append((_resolve(source), alias.name, node.lineno))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            fname = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if fname in ("__import__", "import_module") and node.args and isinstance(node.args[0], ast.Constant):
+                target = _resolve(str(node.args[0].value))
+                if target:
+                    found.append((target, None, node.lineno))
+    return [(t, n, line) for t, n, line in found if t != module]
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target, _, _ in imports_of(module):
+            # A package's __init__ re-exporting its submodules is not a dependency of the submodules on it.
+            if not module.startswith(target + ".") or MODULES[target].name != "__init__.py":
+                graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_imports() -> list[str]:
+    bad = []
+    for module in MODULES:
+        for target, name, line in imports_of(module):
+            if name and name.startswith("_") and not name.startswith("__"):
+                where = MODULES[module]
+                where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+                bad.append(f"{where}:{line} imports {target}.{name}")
+    return bad
+
+
+def test_every_module_parses():
+    assert len(MODULES) > 20
+    for module in MODULES:
+        imports_of(module)
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles (break them; see docs/architecture.md):\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
+def test_no_private_name_crosses_a_module():
+    bad = private_imports()
+    assert not bad, "private names imported from another module (make them public where they live):\n" + "\n".join(
+        bad
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import clusterlm.train\n",
+        "def f():\n    from clusterlm import train\n",
+        "def f():\n    return __import__('clusterlm.train')\n",
+        "import importlib\nx = importlib.import_module('clusterlm.train')\n",
+    ],
+)
+def test_the_checker_sees_every_import_form(source, tmp_path, monkeypatch):
+    # The check must fail on a planted cycle, or it proves nothing.
+    fake = tmp_path / "select_fake.py"
+    fake.write_text(source)
+    monkeypatch.setitem(MODULES, "clusterlm.select_fake", fake)
+    train = MODULES["clusterlm.train"]
+    planted = tmp_path / "train.py"
+    planted.write_text(train.read_text() + "\ndef _planted():\n    import clusterlm.select_fake\n")
+    monkeypatch.setitem(MODULES, "clusterlm.train", planted)
+    assert any("clusterlm.select_fake" in c for c in cycles(import_graph()))
+
+
+def test_the_main_guard_is_the_only_exemption(tmp_path, monkeypatch):
+    planted = tmp_path / "train.py"
+    guarded = 'if __name__ == "__main__":\n    from clusterlm.cli import main\n'
+    planted.write_text(MODULES["clusterlm.train"].read_text() + "\n" + guarded)
+    monkeypatch.setitem(MODULES, "clusterlm.train", planted)
+    assert ("clusterlm.cli", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.train")}
+    planted.write_text(MODULES["clusterlm.train"].read_text() + "\nif True:\n    from clusterlm.cli import main\n")
+    assert ("clusterlm.cli", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.train")}
+
+
+def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("from clusterlm.select import _private_helper\nfrom cluster_kernels import _backend\n")
+    monkeypatch.setitem(MODULES, "clusterlm.fake", fake)
+    bad = [b for b in private_imports() if "fake.py" in b]
+    assert len(bad) == 1 and "_private_helper" in bad[0]
