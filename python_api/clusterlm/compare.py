@@ -14,7 +14,10 @@ Methods (``--methods``, comma-separated; default all):
   instead of the 64-token feature window: what the window costs in quality, and saves in time);
 - ``cluster-tokens``: CluSTER, the ``default`` preset with a token budget (``token_ratio=--ratio``: the
   same share of the *tokens*, not of the examples; training cost follows tokens);
-- ``cluster-paper``: CluSTER, the ``paper`` preset (the authors' algorithm);
+- ``cluster-paper``: CluSTER, the ``paper`` preset: the authors' selection as their code runs it (sklearn
+  K-means and their greedy 1.5 N / K cap, :mod:`clusterlm.paper`);
+- ``cluster-paper-exact``: the ``paper`` preset on this library's exact capacity K-means
+  (``clustering="exact"``): the same steps, the cap met exactly;
 - ``s2l`` / ``ifd`` / ``less``: :mod:`clusterlm.baselines.s2l`, :mod:`.ifd`, :mod:`.less`.
 
 For every ``(method, seed)``: the selection runs in this process on the loaded model and is timed
@@ -65,7 +68,15 @@ from clusterlm.train import CKPT_DIR, SUMMARY, launch
 
 __all__ = ["METHODS", "N_VALIDATION", "STATE", "goals", "markdown_table", "read_state", "run_compare", "summarize"]
 
-METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "s2l", "ifd", "less")
+METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "cluster-paper-exact",
+           "s2l", "ifd", "less")
+CLUSTER_METHODS = {  # compare method -> select() arguments besides the budget
+    "cluster": {},
+    "cluster-tokens": {},
+    "cluster-whole": {"feature_tokens": "all"},
+    "cluster-paper": {"preset": "paper"},
+    "cluster-paper-exact": {"preset": "paper", "clustering": "exact"},
+}
 STATE = "compare_state.jsonl"
 N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) when --n-validation is not given
 
@@ -112,11 +123,10 @@ def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.
         return full_plan(data, ws, seed=seed, model_id=model_id)
     if method == "random":
         return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
-    if method in ("cluster", "cluster-tokens", "cluster-whole", "cluster-paper"):
+    if method in CLUSTER_METHODS:
         budget = {"token_ratio": ratio} if method == "cluster-tokens" else {"ratio": ratio}
-        return select(model, data, world_size=ws, seed=seed, model_id=model_id,
-                      preset="paper" if method == "cluster-paper" else "default",
-                      feature_tokens="all" if method == "cluster-whole" else None, progress=False, **budget)
+        return select(model, data, world_size=ws, seed=seed, model_id=model_id, progress=False,
+                      **CLUSTER_METHODS[method], **budget)
     if method == "s2l":
         return s2l_plan(model, data, ws, ratio=ratio, seed=seed, lr=args.lr, micro_batch_size=args.micro_batch_size,
                         n_clusters=args.s2l_clusters, proxy_epochs=args.s2l_epochs, model_id=model_id)

@@ -497,9 +497,9 @@ class Plan:
         share = f"{100.0 * s / max(n, 1):.1f} %"
         requested = self.stats.get("requested")
         if self.config.get("preset") == "paper" and isinstance(requested, (int, np.integer)) and s < requested:
-            # The paper's count is int(smallest cluster * ratio) per cluster: often far below ratio * N.
+            # The paper's count is smallest cluster * pct // 100 per cluster: often far below ratio * N.
             share = (f"{share} of N; {int(requested)} = {100.0 * int(requested) / max(n, 1):.1f} % requested: the "
-                     "paper preset keeps int(smallest cluster x ratio) per cluster")
+                     "paper preset keeps smallest cluster x pct // 100 per cluster")
         lines = [
             f"plan: {s} of {n} examples selected ({share}), world size {self.world_size}, {self.per_rank} per rank",
             f"model: {self.model_id}   data: sha256 {str(self.fingerprint['sha256'])[:16]}..",
@@ -507,6 +507,10 @@ class Plan:
         scalars = {k: v for k, v in self.config.items() if not isinstance(v, (Mapping, list, tuple, np.ndarray))}
         if scalars:  # nested entries (feature configs, ...) are in plan.json; the summary stays one line
             lines.append("config: " + ", ".join(f"{k}={v}" for k, v in scalars.items()))
+        clustering = self.stats.get("clustering")
+        if isinstance(clustering, Mapping) and clustering.get("cap") is not None:
+            bound = "bound" if clustering.get("cap_bound") else "did not bind"
+            lines.append(f"clustering: {clustering.get('method')}; cap {clustering['cap']} per cluster ({bound})")
         lines += ["", f"{'rank':>4}  {'clusters':<20}  {'examples':>8}  {'tokens':>10}  {'weight':>8}"]
         for row in self._rank_rows():
             clusters = row["clusters"]

@@ -7,21 +7,24 @@ The method (DESIGN.md §1), one call::
 
 Two presets.
 
-``preset="paper"`` reproduces the authors' algorithm step by step:
+``preset="paper"`` selects what the authors' code selects (:mod:`clusterlm.paper` documents every step with
+its source lines in kaist-dmlab/CluSTER):
 
 1. feature = ``mean_t (p_t(y_t) - 1) h_t`` over answer tokens, from one forward pass (their gradient
    proxy; dimension = hidden size), L2-normalised when ``world_size > 1``;
-2. K-means with ``K = world_size`` and 10 k-means++ restarts, with every cluster capped at
-   ``ceil(1.5 N / K)``. Their code fits sklearn K-means and, when the largest cluster exceeds the cap,
-   re-assigns points greedily under it without refitting; we solve the capped problem exactly
-   (:func:`cluster_kernels.capacity_kmeans`), which reaches the same or a lower objective. This is the
-   only difference;
-3. ``m`` = smallest cluster size; from every cluster keep the ``int(m * ratio)`` points farthest from
-   its centroid;
-4. cluster ``k`` is trained by rank ``k`` with loss weight ``K * n_k / N``.
+2. ``clustering="authors"`` (default): scikit-learn ``KMeans(n_clusters=K, n_init=10, random_state=seed)``
+   with the authors' seed default 42, and, only when the largest cluster exceeds ``1.5 N / K``, their greedy
+   soft cap at ``ceil(1.5 N / K)`` without a refit. ``clustering="exact"``: this library's capacity K-means
+   with every cluster capped at ``ceil(1.5 N / K)`` (:func:`cluster_kernels.capacity_kmeans`, 10 restarts),
+   which meets the cap exactly at the same or a lower objective; the later steps are the same;
+3. ``m`` = smallest cluster size; from every cluster keep the ``m * pct // 100`` points farthest from
+   its centroid (``pct`` = the ratio as a whole percentage, as their ``--ratio``; ties: the higher index);
+4. cluster ``k`` is trained by rank ``k`` with loss weight ``K * n_k / N``. With world size 1 the authors keep
+   every example with weight 1, and so does this preset.
 
-The selected total is therefore ``K * int(m * ratio)``, usually below ``ratio * N`` (the authors'
-behaviour; :attr:`Plan.stats` states the shortfall).
+The selected total is therefore ``K * (m * pct // 100)``, usually below ``ratio * N`` (the authors'
+behaviour; :attr:`Plan.stats` states the shortfall, and ``Plan.stats["clustering"]`` which clustering ran and
+whether the cap bound).
 
 ``preset="default"`` is our method: projected full last-layer gradients (``features="lm_head"``)
 over a feature window of the first ``feature_tokens=64`` answer tokens with a little prompt context
@@ -65,12 +68,23 @@ from clusterlm.allocation import ALLOCATIONS, allocate, balance_stats, cluster_o
 from clusterlm.budget import check_int, cluster_size_bound, count_for_tokens, resolve_any_budget, resolve_budget
 from clusterlm.data import fingerprint, lengths_of
 from clusterlm.features import GradientFeaturizer
+from clusterlm.paper import (
+    PAPER_CAP,
+    PAPER_N_INIT,
+    PAPER_SEED,
+    authors_clustering,
+    normalize_rows,
+    paper_percentage,
+    paper_picks,
+)
 from clusterlm.picking import WITHIN_CLUSTER, l2_normalise, pick_in_cluster
 from clusterlm.plan import Plan, selection_weights
 
 __all__ = [
+    "CLUSTERINGS",
     "PRESETS",
     "build_featurizer",
+    "resolve_seed",
     "resolve_feature_tokens",
     "select",
     "select_from_features",
@@ -83,8 +97,7 @@ DEFAULT_FEATURE_TOKENS = 64
 # Token balancing may exchange up to this fraction of each cluster's pick (its last, least-far members)
 # for the next candidates in pick order, so that every rank trains on about the same number of tokens.
 TOKEN_BALANCE_SLACK = 0.1
-PAPER_CAP = 1.5
-PAPER_N_INIT = 10
+CLUSTERINGS = ("authors", "exact")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +115,8 @@ def select_from_features(
     token_ratio: float | None = None,
     token_budget: int | None = None,
     preset: str = "default",
-    seed: int = 0,
+    seed: int | None = None,
+    clustering: str | None = None,
     max_cluster_size: int | str | None = "1.5x",
     min_cluster_size: int | str | None = "budget",
     within_cluster: str = "farthest",
@@ -133,7 +147,10 @@ def select_from_features(
         preset: ``"default"`` or ``"paper"`` (see the module docstring; the paper preset fixes
             ``max_cluster_size``, ``min_cluster_size``, ``within_cluster``, ``allocation``,
             ``clusters_per_rank`` and normalises the features when ``world_size > 1``).
-        seed: seeds K-means, random picks and visit orders.
+        seed: seeds K-means, random picks and visit orders (default: 0; 42 for ``"paper"``, the authors' default).
+        clustering: ``"authors"`` (the paper preset's default: their sklearn K-means and greedy soft cap,
+            :mod:`clusterlm.paper`) or ``"exact"`` (this library's capacity K-means, the only choice of the
+            default preset: the cap is met exactly and the objective is the same or lower).
         max_cluster_size / min_cluster_size: per-cluster bounds: an int, ``"<f>x"`` (times N / C),
             ``"budget"`` (the per-cluster pick) or None.
         within_cluster: ``"farthest"`` | ``"nearest"`` | ``"random"`` | ``"kcenter"``.
@@ -166,20 +183,24 @@ def select_from_features(
     """
     x = _check_features(features)
     lengths = _check_lengths(lengths, x.shape[0])
+    seed = resolve_seed(preset, seed)
     s = _resolve_settings(
         x.shape[0], lengths, world_size=world_size, clusters_per_rank=clusters_per_rank, preset=preset,
+        clustering=clustering,
         ratio=ratio, budget=budget, token_ratio=token_ratio, token_budget=token_budget,
         max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size, within_cluster=within_cluster,
         allocation=allocation, token_balance=token_balance, token_balance_slack=token_balance_slack, n_init=n_init,
     )
     stage: dict[str, float] = dict(timings or {})
-    if s.normalize and cluster_fn is None:
+    if s.clustering == "authors":
+        x = normalize_rows(x) if s.normalize else np.asarray(x, dtype=np.float32)  # their F.normalize, float32
+    elif s.normalize and cluster_fn is None:
         x = l2_normalise(x)
     t0 = time.perf_counter()
-    km = _cluster(x, s, seed=int(seed), max_iter=int(max_iter), kmeans_backend=kmeans_backend, cluster_fn=cluster_fn)
+    km = _cluster(x, s, seed=seed, max_iter=int(max_iter), kmeans_backend=kmeans_backend, cluster_fn=cluster_fn)
     stage["kmeans"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    picked = _pick(x, km, s, lengths, seed=int(seed))
+    picked = _pick(x, km, s, lengths, seed=seed)
     stage["picks"] = time.perf_counter() - t0
     stage["total"] = sum(v for k, v in stage.items() if k != "total")
     config = {
@@ -190,7 +211,8 @@ def select_from_features(
         "budget": None if budget is None else int(budget),
         "token_ratio": None if token_ratio is None else float(token_ratio),
         "token_budget": None if token_budget is None else int(token_budget),
-        "seed": int(seed),
+        "seed": seed,
+        "clustering": s.clustering,
         "max_cluster_size": max_cluster_size,
         "min_cluster_size": min_cluster_size,
         "within_cluster": within_cluster,
@@ -204,7 +226,7 @@ def select_from_features(
         "normalized_in_select": s.normalize,
         **dict(extra_config or {}),
     }
-    return _assemble_plan(km, s, picked, lengths, seed=int(seed), config=config, timings=stage,
+    return _assemble_plan(km, s, picked, lengths, seed=seed, config=config, timings=stage,
                           fingerprint=fingerprint, model_id=model_id)
 
 
@@ -228,6 +250,8 @@ class _Settings:
     token_balance_slack: float
     per_cluster: int  # the default preset's per-cluster pick (the paper preset's comes after clustering)
     normalize: bool  # L2-normalise the features before K-means (the paper preset with world_size > 1)
+    clustering: str  # "authors" (sklearn K-means + their greedy soft cap) or "exact" (capacity K-means)
+    percentage: int | None  # the paper preset's ratio as their integer --ratio (0.31 -> 31)
 
     @property
     def rebalance(self) -> bool:
@@ -279,10 +303,34 @@ def _check_paper_fixed(**given: Any) -> None:
             )
 
 
+def resolve_seed(preset: str, seed: int | None) -> int:
+    """The seed a selection uses: ``seed``, or the preset's default (42 for ``"paper"``, as the authors', else 0).
+
+    Raises:
+        ValueError: ``seed`` is not None or an int >= 0.
+    """
+    if seed is None:
+        return PAPER_SEED if preset == "paper" else 0
+    return check_int(seed, "seed", 0)
+
+
+def _check_clustering(preset: str, clustering: str | None) -> str:
+    if clustering is None:
+        return "authors" if preset == "paper" else "exact"
+    if clustering not in CLUSTERINGS:
+        raise ValueError(f"select: clustering must be one of {CLUSTERINGS}, got {clustering!r}.")
+    if clustering == "authors" and preset != "paper":
+        raise ValueError(
+            "select: clustering='authors' (sklearn K-means + the authors' greedy cap) belongs to preset='paper'; "
+            "the default preset clusters with exact capacities (clustering='exact')."
+        )
+    return clustering
+
+
 def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_per_rank: Any, preset: str,
-                      ratio: Any, budget: Any, token_ratio: Any, token_budget: Any, max_cluster_size: Any,
-                      min_cluster_size: Any, within_cluster: str, allocation: str, token_balance: bool | None,
-                      token_balance_slack: float, n_init: int | None) -> _Settings:
+                      clustering: str | None, ratio: Any, budget: Any, token_ratio: Any, token_budget: Any,
+                      max_cluster_size: Any, min_cluster_size: Any, within_cluster: str, allocation: str,
+                      token_balance: bool | None, token_balance_slack: float, n_init: int | None) -> _Settings:
     """Check every argument and resolve the preset: budgets, K-means bounds and restarts, token balance."""
     _check_choices(preset, allocation, within_cluster, token_balance_slack)
     world_size = check_int(world_size, "world_size")
@@ -301,13 +349,19 @@ def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_
         requested = min(n, max(n_clusters, round(tokens / max(float(lengths.mean()), 1.0))))
     common = {"preset": preset, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
               "n_clusters": n_clusters, "requested": requested, "tokens": tokens, "within_cluster": within_cluster,
-              "allocation": allocation, "token_balance_slack": float(token_balance_slack)}
+              "allocation": allocation, "token_balance_slack": float(token_balance_slack),
+              "clustering": _check_clustering(preset, clustering)}
     if preset == "paper":
         _check_paper_fixed(max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size,
                            within_cluster=within_cluster, allocation=allocation, clusters_per_rank=clusters_per_rank)
+        if ratio is None:
+            raise ValueError(
+                f"select: preset='paper' takes ratio= (the authors' --ratio, a whole percentage), got "
+                f"budget={budget!r}; pass ratio=, or use preset='default' for an exact example budget."
+            )
         return _Settings(
-            **common, ratio=requested / n if ratio is None else ratio,  # the authors' code takes a ratio
-            lo=None, hi=math.ceil(PAPER_CAP * n / n_clusters), n_init=PAPER_N_INIT if n_init is None else int(n_init),
+            **common, ratio=float(ratio), percentage=paper_percentage(ratio), lo=None,
+            hi=math.ceil(PAPER_CAP * n / n_clusters), n_init=PAPER_N_INIT if n_init is None else int(n_init),
             token_balance=bool(token_balance), per_cluster=0, normalize=world_size > 1,
         )
     per_cluster = requested // n_clusters
@@ -322,18 +376,42 @@ def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_
         hi=cluster_size_bound(max_cluster_size, "max_cluster_size", n, n_clusters, per_cluster),
         n_init=3 if n_init is None else int(n_init),
         token_balance=True if token_balance is None else bool(token_balance),
-        per_cluster=per_cluster, normalize=False,
+        per_cluster=per_cluster, normalize=False, percentage=None,
     )
 
 
 def _cluster(x: np.ndarray, s: _Settings, *, seed: int, max_iter: int, kmeans_backend: str,
              cluster_fn: Callable[..., Any] | None) -> Any:
-    """Capacity K-means on the features (or ``cluster_fn``, the distributed one); labels and distances."""
+    """Capacity K-means on the features (or ``cluster_fn``, the distributed one); labels and distances.
+
+    The paper preset's world size 1 clusters nothing (the authors keep all data); its ``"authors"`` clustering is
+    sklearn's, on the full features in this process, also under a distributed selection (deterministic, so every
+    process computes the same).
+    """
+    if s.preset == "paper" and s.world_size == 1:
+        return _one_cluster(len(x))
+    if s.clustering == "authors":
+        return authors_clustering(x, s.n_clusters, seed)
     if cluster_fn is not None:
         return cluster_fn(s.n_clusters, min_size=s.lo, max_size=s.hi, n_init=s.n_init, max_iter=max_iter, seed=seed,
                           l2_normalize=s.normalize)
     return capacity_kmeans(x, s.n_clusters, min_size=s.lo, max_size=s.hi, n_init=s.n_init, max_iter=max_iter,
                            seed=seed, backend=kmeans_backend)
+
+
+@dataclass
+class _OneCluster:
+    """Every example in cluster 0 at distance 0: the paper preset's world size 1, where nothing is selected away."""
+
+    labels: np.ndarray
+    distances: np.ndarray
+    inertia: float = 0.0
+    n_iter: int = 0
+    converged: bool = True
+
+
+def _one_cluster(n: int) -> _OneCluster:
+    return _OneCluster(labels=np.zeros(n, dtype=np.int64), distances=np.zeros(n, dtype=np.float64))
 
 
 @dataclass
@@ -346,31 +424,46 @@ class _Picked:
     stats: dict[str, Any]
 
 
-def _paper_count(sizes: np.ndarray, s: _Settings) -> tuple[int, str]:
-    """The authors' count: ``int(smallest cluster * ratio)`` per cluster (and the note for the plan)."""
-    per_cluster = int(sizes.min() * float(s.ratio))
-    if per_cluster < 1:
-        raise ValueError(
-            f"select: preset='paper' keeps int(smallest cluster {sizes.min()} * ratio {s.ratio}) = 0 examples per "
-            "cluster; raise the ratio or use preset='default'."
-        )
-    note = (f"paper preset: smallest cluster {int(sizes.min())} x ratio {float(s.ratio):g} -> {per_cluster} per "
-            f"cluster, {per_cluster * s.n_clusters} selected of {s.requested} requested")
-    return per_cluster, note
+def _paper_pick(km: Any, s: _Settings) -> _Picked:
+    """The authors' step 4 (:func:`clusterlm.paper.paper_picks`); world size 1 keeps every example."""
+    labels = np.asarray(km.labels, dtype=np.int64)
+    n = len(labels)
+    stats: dict[str, Any] = {"requested": s.requested, "clustering": _clustering_stats(km, s)}
+    if s.world_size == 1:
+        stats["rounding"] = (f"paper preset, world size 1: the authors' code selects nothing away, all {n} examples "
+                             "are kept with weight 1 (ratio ignored)")
+        return _Picked(groups=[np.arange(n, dtype=np.int64)], per_cluster=n, owners=None, stats=stats)
+    groups, count = paper_picks(labels, np.asarray(km.distances), s.n_clusters, s.percentage)
+    m = int(np.bincount(labels, minlength=s.n_clusters).min())
+    stats["rounding"] = (f"paper preset: smallest cluster {m} x {s.percentage} // 100 -> {count} per cluster, "
+                         f"{count * s.n_clusters} selected of {s.requested} requested")
+    return _Picked(groups=groups, per_cluster=count, owners=None, stats=stats)
+
+
+def _clustering_stats(km: Any, s: _Settings) -> dict[str, Any]:
+    """Which clustering ran and whether the 1.5 N / K cap bound (``Plan.stats["clustering"]``)."""
+    sizes = np.bincount(np.asarray(km.labels, dtype=np.int64), minlength=s.n_clusters)
+    if s.world_size == 1:
+        return {"method": "none (world size 1)", "cap": None, "cap_bound": False}
+    if s.clustering == "authors":
+        return {"method": "authors: sklearn KMeans(n_init=10) + greedy soft cap", "cap": km.cap,
+                "cap_bound": km.cap_bound, "sizes_before_cap": km.sizes_before_cap}
+    bound = bool(s.hi is not None and sizes.max() >= s.hi)
+    return {"method": "exact: capacity K-means", "cap": s.hi, "cap_bound": bound}
 
 
 def _pick(x: np.ndarray, km: Any, s: _Settings, lengths: np.ndarray, *, seed: int) -> _Picked:
     """Step 3: the per-cluster count, the picks in every cluster, token rebalancing."""
+    if s.preset == "paper":
+        return _paper_pick(km, s)
     labels = np.asarray(km.labels, dtype=np.int64)
     dist = np.asarray(km.distances, dtype=np.float64)
     sizes = np.bincount(labels, minlength=s.n_clusters).astype(np.int64)
     members = [np.flatnonzero(labels == c) for c in range(s.n_clusters)]
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7]))
-    stats: dict[str, Any] = {"requested": s.requested}
+    stats: dict[str, Any] = {"requested": s.requested, "clustering": _clustering_stats(km, s)}
     per_cluster = s.per_cluster
-    if s.preset == "paper":
-        per_cluster, stats["rounding"] = _paper_count(sizes, s)
-    elif s.requested != per_cluster * s.n_clusters:
+    if s.requested != per_cluster * s.n_clusters:
         stats["rounding"] = (
             f"{s.requested} requested -> {per_cluster * s.n_clusters} selected ({per_cluster} from each of "
             f"{s.n_clusters} clusters; the total is a multiple of world_size x clusters_per_rank = {s.n_clusters})"
@@ -517,7 +610,8 @@ def select(
     features: str | Sequence[str] | None = None,
     dim: int | tuple[int, int] | None = None,
     feature_tokens: int | str | None = None,
-    seed: int = 0,
+    seed: int | None = None,
+    clustering: str | None = None,
     max_cluster_size: int | str | None = "1.5x",
     min_cluster_size: int | str | None = "budget",
     within_cluster: str = "farthest",
@@ -554,7 +648,8 @@ def select(
         feature_tokens: feature window in tokens per example (:class:`clusterlm.GradientFeaturizer`
             ``max_tokens``); None = the preset's (64 for ``"default"``, whole examples for ``"paper"``);
             ``"all"`` = whole examples.
-        seed: seeds projections, K-means, random picks and orders.
+        seed: seeds projections, K-means, random picks and orders (default: 0; 42 for ``"paper"``).
+        clustering: ``"authors"`` (paper preset default) or ``"exact"``; see :func:`select_from_features`.
         max_cluster_size / min_cluster_size / within_cluster / allocation / token_balance /
             clusters_per_rank / token_balance_slack / n_init / max_iter / kmeans_backend: see
             :func:`select_from_features`.
@@ -584,9 +679,15 @@ def select(
     n = len(dataset)
     if n == 0:
         raise ValueError("select: the data set is empty.")
-    # Fail on bad budgets before the expensive stage.
+    # Fail on bad arguments before the expensive stage.
     resolve_any_budget(n, lengths_of(dataset), ratio, budget, token_ratio, token_budget, preset)
     check_int(world_size, "world_size")
+    seed = resolve_seed(preset, seed)
+    _check_clustering(preset, clustering)
+    if preset == "paper":
+        if ratio is None:
+            raise ValueError(f"select: preset='paper' takes ratio= (the authors' --ratio), got budget={budget!r}.")
+        paper_percentage(ratio)
     max_tokens = resolve_feature_tokens(preset, feature_tokens)
     featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype, max_tokens=max_tokens)
     t0 = time.perf_counter()
@@ -602,6 +703,7 @@ def select(
         token_budget=token_budget,
         preset=preset,
         seed=seed,
+        clustering=clustering,
         max_cluster_size=max_cluster_size,
         min_cluster_size=min_cluster_size,
         within_cluster=within_cluster,

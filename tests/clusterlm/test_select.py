@@ -117,7 +117,7 @@ def test_pick_in_cluster_methods(method):
 
 
 def _paper_reimplementation(x: np.ndarray, k: int, ratio: float, seed: int):
-    """The authors' steps written out directly (DESIGN.md §1)."""
+    """The paper preset's steps on this library's exact capacity K-means (``clustering="exact"``), written out."""
     n = len(x)
     xn = x / np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True) if k > 1 else x
     km = capacity_kmeans(xn.astype(np.float32), k, max_size=math.ceil(1.5 * n / k), n_init=10, seed=seed)
@@ -132,9 +132,10 @@ def _paper_reimplementation(x: np.ndarray, k: int, ratio: float, seed: int):
     return picks, weights, km.labels
 
 
-def test_paper_preset_matches_direct_reimplementation():
+def test_paper_preset_exact_clustering_matches_direct_reimplementation():
+    # The authors' own K-means (the default, clustering="authors") is tested in test_paper_preset.py.
     x = _mixture(400, d=16, k=3, seed=7) * 5.0
-    plan = select_from_features(x, world_size=3, ratio=0.31, preset="paper", seed=2)
+    plan = select_from_features(x, world_size=3, ratio=0.31, preset="paper", seed=2, clustering="exact")
     picks, weights, labels = _paper_reimplementation(x, 3, 0.31, seed=2)
     np.testing.assert_array_equal(plan.cluster_labels, labels)
     for rank in range(3):

@@ -13,8 +13,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from clusterlm import cli
+from clusterlm import metrics as M
 from clusterlm import train as T
 from clusterlm.features import GradientFeaturizer
+from clusterlm.launch import DistInfo
 
 AVX2_ONLY = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -74,8 +77,8 @@ def test_bf16_auto_is_on_only_on_cuda(monkeypatch):
 
 
 def _args(*extra: str):
-    return T.build_parser().parse_args(["--plan", "full", "--model", "tiny-llama", "--data", "d.jsonl", "--out", "o",
-                                        *extra])
+    return cli.build_train_parser().parse_args(["--plan", "full", "--model", "tiny-llama", "--data", "d.jsonl",
+                                                "--out", "o", *extra])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -97,7 +100,7 @@ def test_pure_bf16_refused_by_the_cli_before_anything_is_loaded(tmp_path, monkey
     monkeypatch.setattr(T, "setup_distributed", no_model)
     argv = ["--plan", str(tmp_path / "no-plan"), "--model", "tiny-llama", "--data", str(tmp_path / "none.jsonl"),
             "--out", str(tmp_path / "out"), "--model-dtype", "bfloat16", "--nproc", "2"]
-    assert T.main(argv) == 2
+    assert cli.main(["train", *argv]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("clusterlm train: error: train: --model-dtype bfloat16")
     assert not (tmp_path / "out").exists()
@@ -106,7 +109,7 @@ def test_pure_bf16_refused_by_the_cli_before_anything_is_loaded(tmp_path, monkey
 def test_lora_adapters_on_a_bf16_base_are_float32():
     """What validate_args relies on: peft keeps the trainable adapters float32 over a bf16 base."""
     args = _args("--model-dtype", "bfloat16", "--lora-r", "2", "--lora-targets", "q_proj,v_proj")
-    di = T.DistInfo(0, 1, 0, torch.device("cpu"), False)
+    di = DistInfo(0, 1, 0, None, torch.device("cpu"))
     model, _, _ = T.build_model(args, di)
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
@@ -119,11 +122,11 @@ def test_lora_adapters_on_a_bf16_base_are_float32():
 
 
 def test_loss_windows():
-    assert T.loss_windows([]) is None
-    assert T.loss_windows([3.0, 2.0, 1.0]) == (3.0, 1.0, 1)  # < 10 steps: single steps
+    assert M.loss_windows([]) is None
+    assert M.loss_windows([3.0, 2.0, 1.0]) == (3.0, 1.0, 1)  # < 10 steps: single steps
     losses = list(np.arange(25, dtype=float))  # 25 // 5 = 5 steps
-    assert T.loss_windows(losses) == (2.0, 22.0, 5)
-    first, last, w = T.loss_windows(list(np.arange(200, dtype=float)))  # capped at 10
+    assert M.loss_windows(losses) == (2.0, 22.0, 5)
+    first, last, w = M.loss_windows(list(np.arange(200, dtype=float)))  # capped at 10
     assert (first, last, w) == (4.5, 194.5, 10)
 
 
@@ -140,13 +143,13 @@ def test_summary_reports_window_means_and_keeps_single_step_fields():
     records = [_record(i + 1, v) for i, v in enumerate(losses)]
     args = SimpleNamespace(plan="full", micro_batch_size=4, grad_accum=1)
     plan = SimpleNamespace(config={"method": "full"}, per_rank=120)
-    di = T.DistInfo(0, 1, 0, torch.device("cpu"), False)
-    s = T._summarize(records, {"tokens": 300, "train_time": 3.0}, args, di, plan, 30, 4.0, None)
+    di = DistInfo(0, 1, 0, None, torch.device("cpu"))
+    s = M.summarize(records, {"tokens": 300, "train_time": 3.0}, args, di, plan, 30, 4.0, None)
     assert s["first_train_loss"] == losses[0] and s["final_train_loss"] == losses[-1]
     assert s["train_loss_window"] == 6
     assert s["train_loss_first_window"] == pytest.approx(np.mean(losses[:6]))
     assert s["train_loss_last_window"] == pytest.approx(np.mean(losses[-6:]))
-    text = T._summary_text(s, Path("out"))
+    text = M.summary_text(s, Path("out"))
     line = next(x for x in text.splitlines() if x.startswith("train loss"))
     assert line == (f"train loss (weighted, mean of first/last 6 steps): {np.mean(losses[:6]):.4f} -> "
                     f"{np.mean(losses[-6:]):.4f}")
@@ -214,7 +217,7 @@ def test_paper_plan_summary_states_the_shortfall():
     assert plan.stats["requested"] == round(0.31 * n) and s < plan.stats["requested"]
     first = plan.summary().splitlines()[0]
     assert (f"{s} of {n} examples selected ({100 * s / n:.1f} % of N; {round(0.31 * n)} = 31.0 % requested: the "
-            "paper preset keeps int(smallest cluster x ratio) per cluster)") in first
+            "paper preset keeps smallest cluster x pct // 100 per cluster)") in first
 
     default = select_from_features(x, world_size=4, ratio=0.31, seed=0)  # meets the request (up to rounding)
     first = default.summary().splitlines()[0]
