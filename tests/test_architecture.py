@@ -46,6 +46,10 @@ def _resolve(name: str) -> str | None:
     return None
 
 
+def _where(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def _absolute(module: str, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -149,9 +153,7 @@ def private_imports() -> list[str]:
     for module in MODULES:
         for target, name, line in imports_of(module):
             if name and name.startswith("_") and not name.startswith("__"):
-                where = MODULES[module]
-                where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
-                bad.append(f"{where}:{line} imports {target}.{name}")
+                bad.append(f"{_where(MODULES[module])}:{line} imports {target}.{name}")
     return bad
 
 
@@ -212,3 +214,79 @@ def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "clusterlm.fake", fake)
     bad = [b for b in private_imports() if "fake.py" in b]
     assert len(bad) == 1 and "_private_helper" in bad[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two more rules of docs/architecture.md: project imports at the top, short functions
+# ---------------------------------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 80  # body lines without the docstring; Triton kernels (@triton.jit) are exempt
+
+
+def nested_project_imports() -> list[str]:
+    """Imports of project modules inside functions (optional third-party packages may be imported lazily)."""
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        tree.body = [stmt for stmt in tree.body if not _is_main_guard(stmt)]
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    source = _absolute(module, node)
+                    names = [_resolve(f"{source}.{a.name}") or source for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    if _resolve(name):
+                        bad.append(f"{_where(path)}:{node.lineno} ({fn.name}) imports {name}")
+    return sorted(set(bad))
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    out = []
+    for path in MODULES.values():
+        for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            body = fn.body
+            first = body[1] if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str) else body[0]
+            lines = fn.end_lineno - first.lineno + 1
+            if lines > limit:
+                out.append(f"{_where(path)}:{fn.lineno} {fn.name}: {lines} lines")
+    return out
+
+
+def test_project_modules_are_imported_at_the_top():
+    bad = nested_project_imports()
+    assert not bad, "imports of project modules inside functions (move them to the top of the module):\n" + "\n".join(
+        bad
+    )
+
+
+def test_no_function_is_over_80_lines():
+    bad = long_functions()
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines without their docstring (split them):\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_length_rule_sees_a_long_function(tmp_path, monkeypatch):
+    fake = tmp_path / "long.py"
+    fake.write_text("def f():\n    '''doc'''\n" + "    x = 1\n" * 81 + "\n\ndef g():\n" + "    x = 1\n" * 80)
+    monkeypatch.setitem(MODULES, "clusterlm.long_fake", fake)
+    assert [b.split()[-3] for b in long_functions() if "long.py" in b] == ["f:"]
+
+
+def test_the_nested_import_rule_sees_a_planted_import(tmp_path, monkeypatch):
+    fake = tmp_path / "nested.py"
+    fake.write_text("def f():\n    import torch\n    from clusterlm import plan\n")
+    monkeypatch.setitem(MODULES, "clusterlm.nested_fake", fake)
+    bad = [b for b in nested_project_imports() if "nested.py" in b]
+    assert len(bad) == 1 and "clusterlm.plan" in bad[0]  # third-party imports may stay lazy

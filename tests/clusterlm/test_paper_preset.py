@@ -87,6 +87,16 @@ def _soft_cap(x, k, seed):
     return labels, _sqdist_assigned(x, centers, labels)
 
 
+def _members_by_distance(labels, dists, k):
+    """Per cluster, its members sorted by distance with Python's stable sort (ties keep index order)."""
+    by_cluster = [[] for _ in range(k)]
+    for i, c in enumerate(labels):
+        by_cluster[c].append(i)
+    for c in range(k):
+        by_cluster[c].sort(key=lambda i: dists[i])
+    return by_cluster
+
+
 def _authors_selection(features, world_size, pct, seed=42):
     """(per-cluster kept indices, per-example rank weights) as their callback computes them."""
     n = len(features)
@@ -95,20 +105,11 @@ def _authors_selection(features, world_size, pct, seed=42):
     emb = torch.nn.functional.normalize(torch.from_numpy(np.asarray(features, dtype=np.float32)), dim=1).numpy()
     km = sklearn_cluster.KMeans(n_clusters=world_size, n_init=10, random_state=seed)
     labels = km.fit_predict(emb)
-    dists = _sqdist_assigned(emb, km.cluster_centers_, labels)
-    by_cluster = [[] for _ in range(world_size)]
-    for i, c in enumerate(labels):
-        by_cluster[c].append(i)
-    for c in range(world_size):
-        by_cluster[c].sort(key=lambda i: dists[i])
+    by_cluster = _members_by_distance(labels, _sqdist_assigned(emb, km.cluster_centers_, labels), world_size)
     sizes = [len(v) for v in by_cluster]
     if max(sizes) > sum(sizes) * 1.5 / world_size:
         labels, dists = _soft_cap(emb, world_size, seed)
-        by_cluster = [[] for _ in range(world_size)]
-        for i, c in enumerate(labels):
-            by_cluster[c].append(i)
-        for c in range(world_size):
-            by_cluster[c].sort(key=lambda i: dists[i])
+        by_cluster = _members_by_distance(labels, dists, world_size)
         sizes = [len(v) for v in by_cluster]
     m_adj = min(sizes) * pct // 100
     kept = [v[-m_adj:] for v in by_cluster]  # --prune close
