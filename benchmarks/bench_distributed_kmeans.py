@@ -16,11 +16,22 @@ worker processes run :func:`cluster_kernels.distributed.distributed_capacity_kme
 row blocks (:func:`~cluster_kernels.distributed.shard_rows`) with ``max_size = ceil(cap N / K)``, gloo
 between them (torch.distributed env:// rendezvous on 127.0.0.1), ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
 and ``torch.set_num_threads`` set to T. Each worker reports the wall time of the call and of each Lloyd
-iteration, auction rounds, rows refreshed, collectives and bytes sent, its resident memory just before
+iteration, auction rounds, collectives and bytes sent, its resident memory just before
 the call and its peak (``VmHWM``), and writes its labels; the labels of the configurations are compared.
 
 Targets (the issue's): peak resident memory per process below ``n d 4 / P`` bytes + 20 %; 2 processes of
 1 thread within 1.2x the wall time of 1 process of 2 threads.
+
+One process against the single-process K-means (n = 200 000 unless ``--n``; prints the medians and their
+ratio, writes /tmp/distributed_kmeans_vs_single.json)::
+
+    python benchmarks/bench_distributed_kmeans.py --vs-single --max-iter 10 --repeats 3
+
+One fresh process of ``--threads`` (default 2) threads loads the data into memory and runs, ``--repeats``
+times alternately (so load from other jobs hits both alike), ``capacity_kmeans(x, k, backend="cpu")`` and
+``distributed_capacity_kmeans(x, k)`` without a process group, with the same ``max_size``, ``n_init=1``,
+``max_iter``, ``seed`` and init (``--init rows``: the same ``k`` random rows, hence the same Lloyd
+iterations; ``--init k-means++``: each its own seeding).
 """
 
 from __future__ import annotations
@@ -151,6 +162,68 @@ def run_config(args: argparse.Namespace, data: Path, procs: int, threads: int, w
 
 
 # ----------------------------------------------------------------------------------------------
+# one process: distributed_capacity_kmeans vs capacity_kmeans, side by side
+
+
+def vs_single_worker(args: argparse.Namespace) -> None:
+    """Time both calls on the same in-memory data and init, alternately; writes the walls to ``--result``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from cluster_kernels import capacity_kmeans
+    from cluster_kernels.distributed import distributed_capacity_kmeans
+
+    x = np.ascontiguousarray(np.load(args.data))  # in memory: capacity_kmeans needs it there
+    n = len(x)
+    kw = {"max_size": math.ceil(args.cap * n / args.k), "max_iter": args.max_iter, "n_init": 1, "seed": 0}
+    if args.init == "rows":  # the same k data rows for both: the same Lloyd iterations
+        kw["init"] = x[np.random.default_rng(args.seed).choice(n, args.k, replace=False)] + 0.0
+    calls = {
+        "capacity_kmeans": lambda: capacity_kmeans(x, args.k, backend="cpu", **kw),
+        "distributed_capacity_kmeans": lambda: distributed_capacity_kmeans(x, args.k, progress=False, **kw),
+    }
+    walls: dict[str, list[float]] = {name: [] for name in calls}
+    cpus: dict[str, list[float]] = {name: [] for name in calls}
+    results = {}
+    for _ in range(args.repeats):
+        for name, call in calls.items():  # alternately: load from other jobs hits both alike
+            t0, c0 = time.perf_counter(), time.process_time()
+            results[name] = call()
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)  # all threads; less sensitive to a shared machine
+    a, b = results["capacity_kmeans"], results["distributed_capacity_kmeans"]
+    out = {"walls": walls, "cpu_s": cpus, "n_iter": {name: r.n_iter for name, r in results.items()},
+           "inertia": {name: r.inertia for name, r in results.items()},
+           "labels_differing": int((np.asarray(a.labels) != np.asarray(b.labels)).sum())}
+    Path(args.result).write_text(json.dumps(out))
+
+
+def run_vs_single(args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]:
+    """One fresh worker of ``--threads`` threads running :func:`vs_single_worker`; prints the medians."""
+    result = work / "vs_single.json"
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(args.threads)
+    cmd = [sys.executable, __file__, "--vs-single-worker", "--threads", str(args.threads), "--data", str(data),
+           "--k", str(args.k), "--cap", str(args.cap), "--max-iter", str(args.max_iter), "--repeats",
+           str(args.repeats), "--seed", str(args.seed), "--init", args.init, "--result", str(result)]
+    subprocess.run(cmd, env=env, check=True)
+    out = json.loads(result.read_text())
+    med = {name: statistics.median(w) for name, w in out["walls"].items()}
+    med_cpu = {name: statistics.median(w) for name, w in out["cpu_s"].items()}
+    ratio = med["distributed_capacity_kmeans"] / med["capacity_kmeans"]
+    ratio_cpu = med_cpu["distributed_capacity_kmeans"] / med_cpu["capacity_kmeans"]
+    for name, w in out["walls"].items():
+        print(f"{name:30s} median {med[name]:7.2f} s wall, {med_cpu[name]:7.2f} s CPU;  wall runs "
+              f"{' '.join(f'{v:.2f}' for v in w)}  n_iter {out['n_iter'][name]}  inertia {out['inertia'][name]:.6g}")
+    print(f"ratio distributed / capacity_kmeans (medians): {ratio:.2f}x wall, {ratio_cpu:.2f}x CPU; per-run wall "
+          "ratios " + " ".join(f"{b / a:.2f}" for a, b in zip(out["walls"]["capacity_kmeans"],
+                                                            out["walls"]["distributed_capacity_kmeans"], strict=True))
+          + f"; labels differing: {out['labels_differing']}")
+    return out | {"median_s": med, "median_cpu_s": med_cpu, "ratio": ratio, "ratio_cpu": ratio_cpu}
+
+
+# ----------------------------------------------------------------------------------------------
 # report
 
 
@@ -172,7 +245,7 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
         rows.append([
             name, procs, ranks[0]["n_iter"], f"{statistics.median(iters):.2f}", f"{iters[0]:.2f}", f"{wall:.1f}",
             " / ".join(_mb(r["peak_rss_kb"]) for r in ranks), " / ".join(_mb(r["rss_before_kb"]) for r in ranks),
-            _mb(goal_kb), peak < goal_kb, sum(ranks[0]["rounds"]), sum(sum(r["refreshed"]) for r in ranks),
+            _mb(goal_kb), peak < goal_kb, sum(ranks[0]["rounds"]),
             f"{ranks[0]['load_before']:.1f} / {ranks[0]['load_after']:.1f}",
         ])
         targets.append({
@@ -231,13 +304,13 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
                 "heading": f"Wall time and peak memory, cap {args.cap:g} N/K",
                 "columns": ["configuration", "processes", "iterations", "median s / iteration", "first iteration s",
                             "total s", "peak RSS per process (MB)", "RSS before the call (MB)",
-                            "goal per process (MB)", "memory goal met", "auction rounds", "rows refreshed",
+                            "goal per process (MB)", "memory goal met", "auction rounds",
                             "load average before / after"],
                 "rows": rows,
                 "notes": [
                     "The rows of the memory-mapped file are read in chunks into reused buffers and nothing of the "
-                    "map stays resident; a process holds O(K) bytes per local row: label, auction state, 4 exact "
-                    "distances and a 16-bit quantised distance row (cluster_kernels/distributed.py, module "
+                    "map stays resident; a process holds O(K) bytes per local row: its float64 row of the cost "
+                    "matrix (8 K bytes), label and auction state (cluster_kernels/distributed.py, module "
                     "docstring).",
                     "Load average: the machine's 1-minute load when the configuration started / ended (the "
                     "machine is shared; with 2 cores, a load above 2 means the workers did not have their cores "
@@ -272,17 +345,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default="1x2,2x1", help="comma-separated PxT (processes x threads)")
     p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "clusterlm-bench")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--vs-single", action="store_true",
+                   help="one process of --threads threads: distributed_capacity_kmeans vs capacity_kmeans on the same "
+                        "data and init, --repeats times alternately (default n = 200 000); prints the medians")
+    p.add_argument("--repeats", type=int, default=3, help="--vs-single: timed runs of each call")
+    p.add_argument("--init", choices=["rows", "k-means++"], default="rows",
+                   help="--vs-single: the same k random rows as init for both, or each call's own k-means++")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None, help="--vs-single: threads of the one process (default 2)")
+    p.add_argument("--vs-single-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", default="", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.small:
         args.n = 100_000
+    if args.vs_single and "--n" not in args.argv:
+        args.n = 200_000
+    if args.threads is None:
+        args.threads = 2 if args.vs_single or args.vs_single_worker else 1
+    if args.out is None and args.vs_single:
+        args.out = Path(tempfile.gettempdir()) / "distributed_kmeans_vs_single.json"
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "distributed_kmeans_small.json" if args.small else DEFAULT_OUT
     return args
@@ -293,9 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.vs_single_worker:
+        vs_single_worker(args)
+        return 0
     t0 = time.perf_counter()
     data = mixture_file(args.data_dir, args.n, args.d, args.k, args.seed)
     print(f"data: {data} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if args.vs_single:
+        with tempfile.TemporaryDirectory(prefix="bench_dkm_") as work:
+            out = run_vs_single(args, data, Path(work))
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_dkm_") as work:
         for spec in args.configs.split(","):

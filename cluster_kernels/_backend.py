@@ -14,6 +14,8 @@ import os
 from functools import cache
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("cluster_kernels")
 
 BACKENDS = ("auto", "triton", "cuda", "cpu", "torch")
@@ -58,9 +60,8 @@ def has_triton() -> bool:
 
 
 def cuda_device_available() -> bool:
+    """True when torch sees a CUDA device."""
     try:
-        import torch
-
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         return False

@@ -42,7 +42,6 @@ dispatchers :func:`capacity_kmeans` and :func:`assign_with_capacity`.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,15 @@ import numpy as np
 import torch
 
 from cluster_kernels import _backend
+from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable from here
+    METRICS,
+    bounds,
+    check_int,
+    check_k,
+    check_matrix,
+    check_metric,
+    check_tol,
+)
 
 EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
 EPS_WARM = 1e-3  # warm-start eps (prices kept from the previous Lloyd iteration)
@@ -58,7 +66,6 @@ EPS_FINAL = 1e-10  # final eps, as a fraction of the cost range (float64 costs)
 EPS_SHRINK = 8.0
 MAX_ROUNDS = 1_000_000  # internal safety net; the auction terminates long before
 N_LOCAL_TRIALS_BASE = 2
-METRICS = ("sqeuclidean", "cosine")
 
 
 @dataclass
@@ -88,104 +95,6 @@ class KMeansResult:
 
 
 # --------------------------------------------------------------------------------------------------
-# Input checking (shared by every backend)
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_matrix(x: Any, name: str, op: str) -> torch.Tensor:
-    if isinstance(x, np.ndarray):
-        if x.dtype not in (np.float32, np.float64):
-            raise TypeError(
-                f"{op}: {name} must be float32 or float64, got dtype {x.dtype}; convert it with "
-                f"{name}.astype(np.float32)."
-            )
-        with warnings.catch_warnings():
-            # Read-only inputs (np.memmap of a feature store) are never written; no copy needed.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.from_numpy(x)
-    elif isinstance(x, torch.Tensor):
-        if x.dtype not in (torch.float32, torch.float64):
-            raise TypeError(
-                f"{op}: {name} must be float32 or float64, got dtype {x.dtype}; convert it with {name}.float()."
-            )
-        t = x.detach()
-    else:
-        raise TypeError(f"{op}: {name} must be a numpy array or a torch tensor, got {type(x).__name__}.")
-    if t.ndim != 2:
-        raise ValueError(f"{op}: {name} must be 2-D (n, d), got shape {tuple(t.shape)}; reshape it to (n, d).")
-    if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"{op}: {name} contains NaN or Inf (first bad row: {bad}); remove or impute those rows.")
-    return t
-
-
-def _sizes(value: Any, k: int, n: int, name: str, op: str, default: int) -> np.ndarray:
-    """Per-cluster bound as an int64 (k,) array."""
-    if value is None:
-        return np.full(k, default, dtype=np.int64)
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and np.all(arr == np.round(arr))):
-        raise TypeError(f"{op}: {name} must be an int or a sequence of ints, got {value!r}.")
-    arr = arr.astype(np.int64)
-    if arr.ndim == 0:
-        arr = np.full(k, int(arr), dtype=np.int64)
-    if arr.shape != (k,):
-        raise ValueError(f"{op}: {name} must be an int or have one entry per cluster ({k}), got shape {arr.shape}.")
-    if (arr < 0).any():
-        raise ValueError(f"{op}: {name} must be >= 0, got {arr.tolist()}.")
-    return arr
-
-
-def _bounds(min_size: Any, max_size: Any, k: int, n: int, op: str) -> tuple[np.ndarray, np.ndarray]:
-    lo = _sizes(min_size, k, n, "min_size", op, 0)
-    hi = np.minimum(_sizes(max_size, k, n, "max_size", op, n), n)
-    if (lo > hi).any():
-        j = int(np.argmax(lo > hi))
-        raise ValueError(f"{op}: min_size ({lo[j]}) > max_size ({hi[j]}) for cluster {j}; lower min_size.")
-    if int(hi.sum()) < n:
-        raise ValueError(
-            f"{op}: infeasible capacities: k * max_size = {int(hi.sum())} < n = {n}, so some points would have no "
-            f"cluster; raise max_size to at least ceil(n / k) = {math.ceil(n / k)}."
-        )
-    if int(lo.sum()) > n:
-        raise ValueError(
-            f"{op}: infeasible capacities: k * min_size = {int(lo.sum())} > n = {n}; lower min_size to at most "
-            f"floor(n / k) = {n // k}."
-        )
-    return lo, hi
-
-
-def _check_k(k: Any, n: int, op: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"{op}: k must be an int, got {type(k).__name__} {k!r}.")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"{op}: k must be >= 1, got {k}.")
-    if k > n:
-        raise ValueError(f"{op}: number of points (n={n}) must be at least the number of clusters (k={k}); lower k.")
-    return k
-
-
-def _check_int(value: Any, name: str, minimum: int, op: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{op}: {name} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_tol(tol: Any, op: str) -> float:
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or tol < 0:
-        raise ValueError(f"{op}: tol must be a float >= 0, got {tol!r}.")
-    return float(tol)
-
-
-def _check_metric(metric: str, op: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"{op}: metric must be one of {METRICS}, got {metric!r}.")
-
-
-# --------------------------------------------------------------------------------------------------
 # Reference (float64 torch; the test oracle and the fallback on any device)
 # --------------------------------------------------------------------------------------------------
 
@@ -207,6 +116,7 @@ class _Objects:
 
 
 def _cheapest_dummy_object(prices: np.ndarray, dummy_ok: np.ndarray, exclude: int = -1) -> int:
+    """The cheapest object that may hold dummies, other than ``exclude`` (lowest index on ties); -1 if none."""
     best, best_p = -1, math.inf
     for o in range(len(prices)):
         if dummy_ok[o] and o != exclude and prices[o] < best_p:
@@ -223,66 +133,97 @@ def _eps_schedule(dist: torch.Tensor, prices: np.ndarray, warm: bool) -> tuple[f
     return max((EPS_WARM if warm else EPS_START) * span, eps_final), eps_final
 
 
+def _floor_pull_ref(dist: torch.Tensor, obj: torch.Tensor, counts: np.ndarray, prices: np.ndarray, j: int, r: int,
+                    eps: float) -> None:
+    """Reverse step of the under-full cluster j: lower its price to pull in the ``r`` smallest gaps (in place)."""
+    dev = dist.device
+    p_t = torch.as_tensor(prices, device=dev)
+    gap = ((dist[:, j] + p_t[j]) - (dist.gather(1, obj[:, None])[:, 0] + p_t[obj])).cpu().numpy()
+    gap[obj.cpu().numpy() == j] = math.inf
+    cand = np.lexsort((np.arange(len(gap)), gap))[:r]
+    drop = gap[cand[-1]] + eps
+    if drop >= prices[j]:
+        d0 = prices[j]
+        prices[j] = 0.0
+        cand = cand[gap[cand] - d0 < -eps]
+    else:
+        prices[j] -= drop
+    np.subtract.at(counts, obj[torch.as_tensor(cand, device=dev, dtype=torch.long)].cpu().numpy(), 1)
+    obj[torch.as_tensor(cand, device=dev, dtype=torch.long)] = j
+    counts[j] += len(cand)
+
+
+def _floor_start_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray, eps: float,
+                     obj: torch.Tensor | None) -> torch.Tensor:
+    """Phase start of the floor auction (prices change in place); returns the labels.
+
+    Exact argmin in the first phase (``obj`` None), then only the points violating the new eps move; a
+    cluster below its cap with a positive price then lowers its price just enough to pull in its deficit
+    (reverse step), stopping at 0 where room is allowed.
+    """
+    n, k = dist.shape
+    dev = dist.device
+    c = dist + torch.as_tensor(prices, device=dev)
+    best_cost, best = c.min(dim=1)
+    if obj is None:
+        obj = best
+    else:
+        obj = torch.where(c.gather(1, obj[:, None])[:, 0] > best_cost + eps, best, obj)
+    if int(hi.sum()) - n <= 0:
+        return obj
+    counts = torch.bincount(obj, minlength=k).cpu().numpy()
+    for pass_ in range(10**9):
+        changed = False
+        for j in range(k):
+            if counts[j] >= hi[j] or prices[j] <= 0:
+                continue
+            changed = True
+            if pass_ >= 4 * k:  # safety net, as in csrc/cpu/auction.cpp
+                prices[j] = 0.0
+                continue
+            _floor_pull_ref(dist, obj, counts, prices, j, int(hi[j] - counts[j]), eps)
+        if not changed:
+            return obj
+        if pass_ >= 4 * k:
+            obj = torch.argmin(dist + torch.as_tensor(prices, device=dev), dim=1)
+            counts = torch.bincount(obj, minlength=k).cpu().numpy()
+    return obj
+
+
+def _floor_round_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray, eps: float, obj: torch.Tensor,
+                     over: list[int], counts: torch.Tensor) -> np.ndarray:
+    """One forward round: every over-full cluster evicts its ``excess`` smallest (regret, index) members and
+    raises its price past the last of them; the evicted re-bid (``obj`` in place). Returns the new prices."""
+    dev = dist.device
+    idx = torch.arange(dist.shape[0], device=dev)
+    c = dist + torch.as_tensor(prices, device=dev)
+    new_prices = prices.copy()
+    evicted = []
+    for j in over:
+        members = idx[obj == j]
+        other = c[members].clone()
+        other[:, j] = math.inf
+        regret = (other.min(dim=1).values - c[members, j]).cpu().numpy()
+        excess = int(counts[j]) - int(hi[j])
+        order = np.lexsort((members.cpu().numpy(), regret))[:excess]
+        new_prices[j] = prices[j] + regret[order[-1]] + eps
+        evicted.append(members[torch.as_tensor(order, device=dev, dtype=torch.long)])
+    ev = torch.cat(evicted)
+    obj[ev] = torch.argmin(dist[ev] + torch.as_tensor(new_prices, device=dev), dim=1)
+    return new_prices
+
+
 def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray,
                                                                                                  int]:
     """The problem without lower bounds, in the floor form of the dual (prices >= 0, and a cluster
     with a positive price is exactly full). Returns labels, prices, rounds."""
-    n, k = dist.shape
-    dev = dist.device
+    k = dist.shape[1]
     warm = prices is not None and len(prices) == k
     prices = prices.astype(np.float64).copy() if warm else np.zeros(k)
     eps, eps_final = _eps_schedule(dist, prices, warm)
-    slack = int(hi.sum()) - n
-    hi_t = torch.as_tensor(hi, device=dev)
-
-    def start(obj: torch.Tensor | None) -> torch.Tensor:
-        # Exact argmin in the first phase, then only the points violating the new eps move; a
-        # cluster below its cap with a positive price then lowers its price just enough to pull in
-        # its deficit (reverse step), stopping at 0 where room is allowed.
-        c = dist + torch.as_tensor(prices, device=dev)
-        best_cost, best = c.min(dim=1)
-        if obj is None:
-            obj = best
-        else:
-            obj = torch.where(c.gather(1, obj[:, None])[:, 0] > best_cost + eps, best, obj)
-        if slack <= 0:
-            return obj
-        counts = torch.bincount(obj, minlength=k).cpu().numpy()
-        idx_np = np.arange(n)
-        for pass_ in range(10**9):
-            changed = False
-            for j in range(k):
-                if counts[j] >= hi[j] or prices[j] <= 0:
-                    continue
-                changed = True
-                if pass_ >= 4 * k:  # safety net, as in csrc/cpu/kmeans.cpp
-                    prices[j] = 0.0
-                    continue
-                r = int(hi[j] - counts[j])
-                p_t = torch.as_tensor(prices, device=dev)
-                gap = ((dist[:, j] + p_t[j]) - (dist.gather(1, obj[:, None])[:, 0] + p_t[obj])).cpu().numpy()
-                gap[obj.cpu().numpy() == j] = math.inf
-                cand = np.lexsort((idx_np, gap))[:r]
-                drop = gap[cand[-1]] + eps
-                if drop >= prices[j]:
-                    d0 = prices[j]
-                    prices[j] = 0.0
-                    cand = cand[gap[cand] - d0 < -eps]
-                else:
-                    prices[j] -= drop
-                np.subtract.at(counts, obj[torch.as_tensor(cand, device=dev, dtype=torch.long)].cpu().numpy(), 1)
-                obj[torch.as_tensor(cand, device=dev, dtype=torch.long)] = j
-                counts[j] += len(cand)
-            if not changed:
-                return obj
-            if pass_ >= 4 * k:
-                obj = torch.argmin(dist + torch.as_tensor(prices, device=dev), dim=1)
-                counts = torch.bincount(obj, minlength=k).cpu().numpy()
-        return obj
-
-    obj = start(None)
+    hi_t = torch.as_tensor(hi, device=dist.device)
+    obj = _floor_start_ref(dist, hi, prices, eps, None)
     rounds = 0
-    idx = torch.arange(n, device=dev)
     while True:
         while True:
             counts = torch.bincount(obj, minlength=k)
@@ -292,25 +233,11 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
             rounds += 1
             if rounds > MAX_ROUNDS:
                 raise RuntimeError("assign_ref: the auction did not terminate (internal error)")
-            c = dist + torch.as_tensor(prices, device=dev)
-            new_prices = prices.copy()
-            evicted = []
-            for j in over:
-                members = idx[obj == j]
-                other = c[members].clone()
-                other[:, j] = math.inf
-                regret = (other.min(dim=1).values - c[members, j]).cpu().numpy()
-                excess = int(counts[j]) - int(hi[j])
-                order = np.lexsort((members.cpu().numpy(), regret))[:excess]
-                new_prices[j] = prices[j] + regret[order[-1]] + eps
-                evicted.append(members[torch.as_tensor(order, device=dev, dtype=torch.long)])
-            prices = new_prices
-            ev = torch.cat(evicted)
-            obj[ev] = torch.argmin(dist[ev] + torch.as_tensor(prices, device=dev), dim=1)
+            prices = _floor_round_ref(dist, hi, prices, eps, obj, over, counts)
         if eps <= eps_final:
             break
         eps = max(eps / EPS_SHRINK, eps_final)
-        obj = start(obj)
+        obj = _floor_start_ref(dist, hi, prices, eps, obj)
     return obj, prices, rounds
 
 
@@ -341,6 +268,57 @@ def assign_ref(
     return labels, state, rounds + more
 
 
+def _dummy_evict_ref(c: torch.Tensor, members: torch.Tensor, o: int, excess: int, n_dummies: int,
+                     rho: float) -> tuple[torch.Tensor, int, float]:
+    """Evictions of the over-full object o: the ``excess`` smallest (regret, index) units, dummies first on
+    equal regret. Returns the real members evicted, the dummies evicted and the last evicted regret."""
+    own = c[members, o]
+    other = c[members].clone()
+    other[:, o] = math.inf
+    regret = (other.min(dim=1).values - own).cpu().numpy()
+    order = np.lexsort((members.cpu().numpy(), regret))
+    n_real_ev = n_dum_ev = 0
+    last = -math.inf
+    for _ in range(excess):
+        if n_dum_ev < n_dummies and (n_real_ev >= len(order) or rho <= regret[order[n_real_ev]]):
+            n_dum_ev += 1
+            last = rho
+        else:
+            last = regret[order[n_real_ev]]
+            n_real_ev += 1
+    return members[torch.as_tensor(order[:n_real_ev], device=c.device, dtype=torch.long)], n_dum_ev, last
+
+
+def _dummy_round_ref(dist: torch.Tensor, objs: _Objects, prices: np.ndarray, eps: float, obj: torch.Tensor,
+                     dummies: np.ndarray, over: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """One forward round of the general auction (``obj`` and ``dummies`` in place); returns the new prices."""
+    dev = dist.device
+    ocl = torch.as_tensor(objs.cluster, device=dev)
+    idx = torch.arange(dist.shape[0], device=dev)
+    c = dist[:, ocl] + torch.as_tensor(prices, device=dev)
+    new_prices = prices.copy()
+    evicted = []  # real points leaving an over-full object this round
+    dummy_moves = []  # (source object, count)
+    for o in over:
+        dst_dummy = _cheapest_dummy_object(prices, objs.dummy_ok, exclude=o)
+        rho = prices[dst_dummy] - prices[o] if (dummies[o] > 0 and dst_dummy >= 0) else math.inf
+        ev, n_dum_ev, last = _dummy_evict_ref(c, idx[obj == o], o, int(units[o] - objs.cap[o]), int(dummies[o]), rho)
+        new_prices[o] = prices[o] + last + eps
+        evicted.append(ev)
+        if n_dum_ev:
+            dummy_moves.append((o, n_dum_ev))
+    # Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best.
+    ev = torch.cat(evicted)
+    if len(ev):
+        obj[ev] = torch.argmin(dist[ev][:, ocl] + torch.as_tensor(new_prices, device=dev), dim=1)
+    if dummy_moves:
+        dst = _cheapest_dummy_object(new_prices, objs.dummy_ok)
+        for src, cnt in dummy_moves:
+            dummies[src] -= cnt
+            dummies[dst] += cnt
+    return new_prices
+
+
 def _dummy_auction_ref(
     dist: torch.Tensor, lo: np.ndarray, hi: np.ndarray, prices: np.ndarray | None = None
 ) -> tuple[torch.Tensor, np.ndarray, int]:
@@ -356,7 +334,6 @@ def _dummy_auction_ref(
     cap = objs.cap
     dummies = np.zeros(m, dtype=np.int64)
     n_dummy = int(hi.sum()) - n
-    idx = torch.arange(n, device=dev)
 
     def costs() -> torch.Tensor:
         return dist[:, ocl] + torch.as_tensor(prices, device=dev)
@@ -381,44 +358,7 @@ def _dummy_auction_ref(
             rounds += 1
             if rounds > MAX_ROUNDS:
                 raise RuntimeError("assign_ref: the auction did not terminate (internal error)")
-            c = costs()
-            new_prices = prices.copy()
-            evicted = []  # real points leaving an over-full object this round
-            dummy_moves = []  # (source object, count)
-            for o in over:
-                members = idx[obj == o]
-                own = c[members, o]
-                other = c[members].clone()
-                other[:, o] = math.inf
-                regret = (other.min(dim=1).values - own).cpu().numpy()
-                excess = int(units[o] - cap[o])
-                dst_dummy = _cheapest_dummy_object(prices, objs.dummy_ok, exclude=o)
-                rho = prices[dst_dummy] - prices[o] if (dummies[o] > 0 and dst_dummy >= 0) else math.inf
-                # Evict the `excess` smallest (regret, index); dummies go first on equal regret.
-                order = np.lexsort((members.cpu().numpy(), regret))
-                n_real_ev = n_dum_ev = 0
-                last = -math.inf
-                for _ in range(excess):
-                    if n_dum_ev < dummies[o] and (n_real_ev >= len(order) or rho <= regret[order[n_real_ev]]):
-                        n_dum_ev += 1
-                        last = rho
-                    else:
-                        last = regret[order[n_real_ev]]
-                        n_real_ev += 1
-                new_prices[o] = prices[o] + last + eps
-                evicted.append(members[torch.as_tensor(order[:n_real_ev], device=dev, dtype=torch.long)])
-                if n_dum_ev:
-                    dummy_moves.append((o, n_dum_ev))
-            prices = new_prices
-            # Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best.
-            ev = torch.cat(evicted)
-            if len(ev):
-                obj[ev] = torch.argmin(dist[ev][:, ocl] + torch.as_tensor(prices, device=dev), dim=1)
-            if dummy_moves:
-                dst = _cheapest_dummy_object(prices, objs.dummy_ok)
-                for src, cnt in dummy_moves:
-                    dummies[src] -= cnt
-                    dummies[dst] += cnt
+            prices = _dummy_round_ref(dist, objs, prices, eps, obj, dummies, over, units)
             real = np.bincount(obj.cpu().numpy(), minlength=m)
         if eps <= eps_final:
             break
@@ -427,16 +367,14 @@ def _dummy_auction_ref(
         c = costs()
         best_cost, best = c.min(dim=1)
         own = c.gather(1, obj[:, None])[:, 0]
-        viol = own > best_cost + eps
-        obj = torch.where(viol, best, obj)
+        obj = torch.where(own > best_cost + eps, best, obj)
         real = np.bincount(obj.cpu().numpy(), minlength=m)
         cheapest = _cheapest_dummy_object(prices, objs.dummy_ok)
         for o in range(m):
             if dummies[o] > 0 and prices[o] > prices[cheapest] + eps:
                 dummies[cheapest] += dummies[o]
                 dummies[o] = 0
-    labels = ocl[obj]
-    return labels, prices, rounds
+    return ocl[obj], prices, rounds
 
 
 def _sqdist_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -730,20 +668,20 @@ def capacity_kmeans(
         RuntimeError: an explicitly requested backend is not available (the message says how to get it).
     """
     op = "capacity_kmeans"
-    t = _check_matrix(x, "x", op)
+    t = check_matrix(x, "x", op)
     n, d = t.shape
-    k = _check_k(k, n, op)
-    _check_metric(metric, op)
-    lo, hi = _bounds(min_size, max_size, k, n, op)
-    n_init = _check_int(n_init, "n_init", 1, op)
-    max_iter = _check_int(max_iter, "max_iter", 1, op)
-    tol = _check_tol(tol, op)
+    k = check_k(k, n, op)
+    check_metric(metric, op)
+    lo, hi = bounds(min_size, max_size, k, n, op)
+    n_init = check_int(n_init, "n_init", 1, op)
+    max_iter = check_int(max_iter, "max_iter", 1, op)
+    tol = check_tol(tol, op)
     init_t = None
     if isinstance(init, str):
         if init != "k-means++":
             raise ValueError(f"{op}: init must be 'k-means++' or a (k, d) array of centroids, got {init!r}.")
     else:
-        init_t = _check_matrix(init, "init", op)
+        init_t = check_matrix(init, "init", op)
         if tuple(init_t.shape) != (k, d):
             raise ValueError(f"{op}: init must have shape (k, d) = ({k}, {d}), got {tuple(init_t.shape)}.")
     spherical = metric == "cosine"
@@ -809,16 +747,16 @@ def assign_with_capacity(
         TypeError / ValueError as :func:`capacity_kmeans`, plus mismatched centroid dimensions.
     """
     op = "assign_with_capacity"
-    t = _check_matrix(x, "x", op)
-    c = _check_matrix(centroids, "centroids", op)
+    t = check_matrix(x, "x", op)
+    c = check_matrix(centroids, "centroids", op)
     n, d = t.shape
     if c.shape[1] != d:
         raise ValueError(
             f"{op}: centroids have {c.shape[1]} dimensions but x has {d}; pass centroids of shape (k, {d})."
         )
-    k = _check_k(c.shape[0], n, op)
-    _check_metric(metric, op)
-    lo, hi = _bounds(min_size, max_size, k, n, op)
+    k = check_k(c.shape[0], n, op)
+    check_metric(metric, op)
+    lo, hi = bounds(min_size, max_size, k, n, op)
     choice = _resolve(op, backend, t.device)
     spherical = metric == "cosine"
     if choice != "torch":

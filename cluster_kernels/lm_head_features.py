@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 from cluster_kernels._backend import has_triton, missing_backend_error, require_triton
 from cluster_kernels.project_linear_grads import (
-    _project_linear_grads_triton,
-    _resolve_backend,
     check_cu_seqlens,
+    project_linear_grads_triton,
+    resolve_backend,
     segment_outer_sum,
 )
 
@@ -77,8 +77,37 @@ def _check_inputs(
     token_weights: torch.Tensor | None,
     out: torch.Tensor | None,
 ) -> np.ndarray:
+    """Check every argument of :func:`lm_head_features`; returns ``cu_seqlens`` as a host int64 array."""
     if mode not in LM_HEAD_MODES:
         raise ValueError(f"{_OP}: mode must be one of {LM_HEAD_MODES}, got {mode!r}.")
+    _check_h_and_weight(h, weight)
+    n_tok, d = h.shape
+    vocab = weight.shape[0]
+    _check_labels(labels, h, vocab)
+    cu = check_cu_seqlens(_OP, cu_seqlens, n_tok)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (vocab,) or not bias.is_floating_point():
+            raise ValueError(f"{_OP}: bias must be a floating tensor of shape (V,)=({vocab},) or None.")
+        if bias.device != h.device:
+            raise ValueError(f"{_OP}: bias is on {bias.device} but h is on {h.device}.")
+    n_ex = len(cu) - 1
+    if mode == "paper":
+        _check_paper_mode(p_in, p_out, token_weights)
+        expected = (n_ex, d)
+    else:
+        _check_projected_mode(h, vocab, p_in, p_out, token_weights)
+        expected = (n_ex, p_out.shape[1], p_in.shape[1])
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{_OP}: out must be a float32 (or float64) tensor of shape {expected}.")
+        if tuple(out.shape) != expected:
+            raise ValueError(f"{_OP}: out must have shape {expected} for mode={mode!r}, got {tuple(out.shape)}.")
+        if out.device != h.device:
+            raise ValueError(f"{_OP}: out is on {out.device} but h is on {h.device}.")
+    return cu
+
+
+def _check_h_and_weight(h: torch.Tensor, weight: torch.Tensor) -> None:
     for name, t in (("h", h), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}.")
@@ -86,14 +115,17 @@ def _check_inputs(
             raise ValueError(f"{_OP}: {name} must be 2-D, got shape {tuple(t.shape)}.")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
-    n_tok, d = h.shape
-    vocab = weight.shape[0]
+    d = h.shape[1]
     if weight.shape[1] != d:
         raise ValueError(
             f"{_OP}: weight must have shape (V, d={d}) to match h {tuple(h.shape)}, got {tuple(weight.shape)}."
         )
     if weight.device != h.device:
         raise ValueError(f"{_OP}: weight is on {weight.device} but h is on {h.device}; move them to one device.")
+
+
+def _check_labels(labels: torch.Tensor, h: torch.Tensor, vocab: int) -> None:
+    n_tok = h.shape[0]
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{_OP}: labels must be an int32/int64 torch.Tensor of shape ({n_tok},).")
     if labels.shape != (n_tok,):
@@ -107,53 +139,43 @@ def _check_inputs(
             f"{_OP}: labels must be in [0, V={vocab}) or {IGNORE_INDEX} (ignored), "
             f"got labels[{pos}]={int(labels[pos])}."
         )
-    cu = check_cu_seqlens(_OP, cu_seqlens, n_tok)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (vocab,) or not bias.is_floating_point():
-            raise ValueError(f"{_OP}: bias must be a floating tensor of shape (V,)=({vocab},) or None.")
-        if bias.device != h.device:
-            raise ValueError(f"{_OP}: bias is on {bias.device} but h is on {h.device}.")
-    n_ex = len(cu) - 1
-    if mode == "paper":
-        if p_in is not None or p_out is not None:
+
+
+def _check_paper_mode(p_in: torch.Tensor | None, p_out: torch.Tensor | None,
+                      token_weights: torch.Tensor | None) -> None:
+    if p_in is not None or p_out is not None:
+        raise ValueError(
+            f"{_OP}: p_in/p_out are only used with mode='projected'; mode='paper' returns the "
+            "unprojected (B, d) proxy. Drop them or use mode='projected'."
+        )
+    if token_weights is not None:
+        raise ValueError(
+            f"{_OP}: mode='paper' is the per-example mean over counted tokens and takes no "
+            "token_weights; use mode='projected' for weighted sums."
+        )
+
+
+def _check_projected_mode(h: torch.Tensor, vocab: int, p_in: torch.Tensor | None, p_out: torch.Tensor | None,
+                          token_weights: torch.Tensor | None) -> None:
+    n_tok, d = h.shape
+    for name, t, rows in (("p_in", p_in, d), ("p_out", p_out, vocab)):
+        if t is None:
             raise ValueError(
-                f"{_OP}: p_in/p_out are only used with mode='projected'; mode='paper' returns the "
-                "unprojected (B, d) proxy. Drop them or use mode='projected'."
+                f"{_OP}: mode='projected' needs {name} of shape ({rows}, k); "
+                "see cluster_kernels.projection.random_projection."
             )
-        if token_weights is not None:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows or not t.is_floating_point():
             raise ValueError(
-                f"{_OP}: mode='paper' is the per-example mean over counted tokens and takes no "
-                "token_weights; use mode='projected' for weighted sums."
+                f"{_OP}: {name} must be a floating 2-D tensor of shape ({rows}, k), "
+                f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}."
             )
-        expected = (n_ex, d)
-    else:
-        for name, t, rows in (("p_in", p_in, d), ("p_out", p_out, vocab)):
-            if t is None:
-                raise ValueError(
-                    f"{_OP}: mode='projected' needs {name} of shape ({rows}, k); "
-                    "see cluster_kernels.projection.random_projection."
-                )
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows or not t.is_floating_point():
-                raise ValueError(
-                    f"{_OP}: {name} must be a floating 2-D tensor of shape ({rows}, k), "
-                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}."
-                )
-            if t.device != h.device:
-                raise ValueError(f"{_OP}: {name} is on {t.device} but h is on {h.device}.")
-        if token_weights is not None:
-            if not isinstance(token_weights, torch.Tensor) or token_weights.shape != (n_tok,):
-                raise ValueError(f"{_OP}: token_weights must be a floating tensor of shape ({n_tok},) or None.")
-            if token_weights.device != h.device:
-                raise ValueError(f"{_OP}: token_weights is on {token_weights.device} but h is on {h.device}.")
-        expected = (n_ex, p_out.shape[1], p_in.shape[1])
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"{_OP}: out must be a float32 (or float64) tensor of shape {expected}.")
-        if tuple(out.shape) != expected:
-            raise ValueError(f"{_OP}: out must have shape {expected} for mode={mode!r}, got {tuple(out.shape)}.")
-        if out.device != h.device:
-            raise ValueError(f"{_OP}: out is on {out.device} but h is on {h.device}.")
-    return cu
+        if t.device != h.device:
+            raise ValueError(f"{_OP}: {name} is on {t.device} but h is on {h.device}.")
+    if token_weights is not None:
+        if not isinstance(token_weights, torch.Tensor) or token_weights.shape != (n_tok,):
+            raise ValueError(f"{_OP}: token_weights must be a floating tensor of shape ({n_tok},) or None.")
+        if token_weights.device != h.device:
+            raise ValueError(f"{_OP}: token_weights is on {token_weights.device} but h is on {h.device}.")
 
 
 def _counts_per_example(labels: torch.Tensor, cu: np.ndarray) -> np.ndarray:
@@ -499,7 +521,7 @@ def lm_head_features(
         RuntimeError: an explicitly requested backend is not available.
     """
     cu = _check_inputs(h, weight, labels, cu_seqlens, p_in, p_out, mode, bias, token_weights, out)
-    chosen = _resolve_backend(_OP, backend, h.device)
+    chosen = resolve_backend(_OP, backend, h.device)
     n_ex = len(cu) - 1
     counts = _counts_per_example(labels, cu)
     if mode == "paper":
@@ -520,26 +542,40 @@ def lm_head_features(
     else:
         lse, z_y, readout = _vocab_pass_torch(hv, weight, bias, yv, p_out_c, max_chunk_elems)
     if mode == "paper":
-        coef = torch.exp(z_y - lse) - 1.0
-        inv_n = torch.from_numpy(1.0 / np.maximum(counts, 1)).to(h.device, coef.dtype)
-        coef = coef * torch.repeat_interleave(inv_n, torch.from_numpy(counts).to(h.device), output_size=len(yv))
-        # (B, 1, d) = per-example sum of coef_t * h_t, via the same deterministic segment reduction.
-        res = torch.zeros(n_ex, 1, h.shape[1], dtype=ct, device=h.device)
-        segment_outer_sum(coef[:, None].to(ct), hv.to(ct), cu_v, res)
-        out += res[:, 0].to(out.dtype)
-        return out
-    g_proj = readout - p_out_c.index_select(0, yv.long())  # P_out^T (p_t - e_{y_t}), (T_valid, k_o)
+        return _paper_features(h, hv, z_y, lse, counts, cu_v, ct, out)
     wv = None
     if token_weights is not None:
         wv = token_weights if all_valid else token_weights.index_select(0, valid_idx)
+    return _projected_features(chosen, hv, yv, readout, p_in, p_out_c, wv, cu_v, ct, out)
+
+
+def _paper_features(h: torch.Tensor, hv: torch.Tensor, z_y: torch.Tensor, lse: torch.Tensor, counts: np.ndarray,
+                    cu_v: np.ndarray, ct: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """``mode="paper"``: ``mean_t (p_t(y_t) - 1) h_t`` per example, added to ``out``."""
+    n_ex = len(counts)
+    coef = torch.exp(z_y - lse) - 1.0
+    inv_n = torch.from_numpy(1.0 / np.maximum(counts, 1)).to(h.device, coef.dtype)
+    coef = coef * torch.repeat_interleave(inv_n, torch.from_numpy(counts).to(h.device), output_size=len(z_y))
+    # (B, 1, d) = per-example sum of coef_t * h_t, via the same deterministic segment reduction.
+    res = torch.zeros(n_ex, 1, h.shape[1], dtype=ct, device=h.device)
+    segment_outer_sum(coef[:, None].to(ct), hv.to(ct), cu_v, res)
+    out += res[:, 0].to(out.dtype)
+    return out
+
+
+def _projected_features(chosen: str, hv: torch.Tensor, yv: torch.Tensor, readout: torch.Tensor, p_in: torch.Tensor,
+                        p_out_c: torch.Tensor, wv: torch.Tensor | None, cu_v: np.ndarray, ct: torch.dtype,
+                        out: torch.Tensor) -> torch.Tensor:
+    """``mode="projected"``: ``P_out^T [sum_t w_t (p_t - e_{y_t}) h_t^T] P_in`` per example, added to ``out``."""
+    g_proj = readout - p_out_c.index_select(0, yv.long())  # P_out^T (p_t - e_{y_t}), (T_valid, k_o)
     if chosen == "triton":
-        eye = torch.eye(g_proj.shape[1], dtype=torch.float32, device=h.device)
+        eye = torch.eye(g_proj.shape[1], dtype=torch.float32, device=hv.device)
         xg = hv if hv.dtype == torch.float32 else hv.float()  # the kernel wants x and g in one dtype
-        return _project_linear_grads_triton(xg, g_proj, cu_v, p_in, eye, wv, out)
+        return project_linear_grads_triton(xg, g_proj, cu_v, p_in, eye, wv, out)
     xp = hv.to(ct) @ p_in.to(ct)
     if wv is not None:
         xp *= wv.to(ct)[:, None]
     if out.dtype == ct:
         return segment_outer_sum(g_proj.to(ct), xp, cu_v, out)
-    out += segment_outer_sum(g_proj.to(ct), xp, cu_v, torch.zeros(out.shape, dtype=ct, device=h.device)).to(out.dtype)
+    out += segment_outer_sum(g_proj.to(ct), xp, cu_v, torch.zeros(out.shape, dtype=ct, device=hv.device)).to(out.dtype)
     return out

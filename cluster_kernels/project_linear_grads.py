@@ -331,7 +331,7 @@ def _default_chunk(n_tok: int, device: torch.device) -> int:
     return int(min(4096, max(64, 64 * math.ceil(n_tok / (4 * sms) / 64))))  # pragma: no cover
 
 
-def _project_linear_grads_triton(
+def project_linear_grads_triton(
     x: torch.Tensor,
     g: torch.Tensor,
     cu: np.ndarray,
@@ -486,7 +486,8 @@ def _project_linear_grads_torch(
 # --------------------------------------------------------------------------------------------------
 
 
-def _resolve_backend(op: str, backend: str, device: torch.device) -> str:
+def resolve_backend(op: str, backend: str, device: torch.device) -> str:
+    """The implementation ``backend`` means for ``device``: "triton" or "torch" (shared with lm_head_features)."""
     check_backend_name(op, backend)
     if backend == "cuda":
         raise ValueError(
@@ -537,10 +538,10 @@ def project_linear_grads(
         RuntimeError: an explicitly requested backend is not available (the message says how to get it).
     """
     cu = _check_inputs(x, g, cu_seqlens, p_in, p_out, token_weights, out)
-    chosen = _resolve_backend(_OP, backend, x.device)
+    chosen = resolve_backend(_OP, backend, x.device)
     if out is None:
         dt = torch.float64 if (x.dtype == torch.float64 and chosen == "torch") else torch.float32
         out = torch.zeros(len(cu) - 1, p_out.shape[1], p_in.shape[1], dtype=dt, device=x.device)
     if chosen == "triton":
-        return _project_linear_grads_triton(x, g, cu, p_in, p_out, token_weights, out)
+        return project_linear_grads_triton(x, g, cu, p_in, p_out, token_weights, out)
     return _project_linear_grads_torch(x, g, cu, p_in, p_out, token_weights, out)

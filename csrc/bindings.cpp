@@ -4,13 +4,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "cpu/auction.h"
 #include "cpu/kmeans.h"
+#include "cpu/thread_scope.h"
 #ifdef CLUSTER_KERNELS_WITH_CUDA
 #include "cuda/kmeans.cuh"
 #endif
@@ -110,6 +114,88 @@ py::tuple auction(const carray<double>& dist, const carray<int64_t>& lo, const c
   return py::make_tuple(labels, rounds, state.used_general);
 }
 
+// The collectives of a Python object for the auction of one rank of many: `distributed` (bool), `sum(a)`
+// (int64 array -> its all-reduced sum), `max(a)` (float64 array -> its all-reduced max) and
+// `select(grp, val, gid, t)` (-> thresholds (tv, tg), as ck::Collective::select). The auction runs without
+// the GIL; each call takes it back.
+class PyCollective : public ck::Collective {
+ public:
+  explicit PyCollective(py::object comm) : comm_(std::move(comm)), distributed_(comm_.attr("distributed").cast<bool>()) {}
+  bool distributed() const override { return distributed_; }
+
+  void sum(std::vector<int64_t>& v) override {
+    py::gil_scoped_acquire gil;
+    copy_back(comm_.attr("sum")(array_of(v)), v, "sum");
+  }
+
+  void max(std::vector<double>& v) override {
+    py::gil_scoped_acquire gil;
+    copy_back(comm_.attr("max")(array_of(v)), v, "max");
+  }
+
+  void select(const std::vector<int64_t>& grp, const std::vector<double>& val, const std::vector<int64_t>& gid,
+              const std::vector<int64_t>& t, std::vector<double>& tv, std::vector<int64_t>& tg) override {
+    py::gil_scoped_acquire gil;
+    auto out = comm_.attr("select")(array_of(grp), array_of(val), array_of(gid), array_of(t)).cast<py::tuple>();
+    tv.resize(t.size());
+    tg.resize(t.size());
+    copy_back(out[0], tv, "select");
+    copy_back(out[1], tg, "select");
+  }
+
+ private:
+  py::object comm_;
+  bool distributed_;
+
+  template <typename T>
+  static py::array_t<T> array_of(const std::vector<T>& v) {
+    return to_numpy(v, {static_cast<py::ssize_t>(v.size())});
+  }
+
+  template <typename T>
+  static void copy_back(const py::handle& result, std::vector<T>& v, const char* what) {
+    auto a = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(result);
+    if (!a || a.ndim() != 1 || a.shape(0) != static_cast<py::ssize_t>(v.size()))
+      throw std::runtime_error(std::string("auction_block: comm.") + what + " returned an array of the wrong shape");
+    std::copy(a.data(), a.data() + v.size(), v.begin());
+  }
+};
+
+std::vector<double> prices_vec(const std::optional<carray<double>>& a) {
+  if (!a) return {};
+  return std::vector<double>(a->data(), a->data() + a->size());
+}
+
+// The auction of one rank: dist holds rows [offset, offset + n) of the global (n_total, k) cost matrix.
+py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, const carray<int64_t>& hi,
+                       py::object comm, int64_t offset, int64_t n_total, std::optional<carray<double>> floor_prices,
+                       std::optional<carray<double>> general_prices, int n_threads) {
+  if (dist.ndim() != 2) throw std::invalid_argument("dist must be (n, k)");
+  const int64_t n = dist.shape(0), k = dist.shape(1);
+  auto lo_v = bounds_vec(lo, k, "lo");
+  auto hi_v = bounds_vec(hi, k, "hi");
+  ck::AuctionState state;
+  state.floor_prices = prices_vec(floor_prices);
+  state.general_prices = prices_vec(general_prices);
+  PyCollective collective(std::move(comm));
+  py::array_t<int64_t> labels({n});
+  int64_t* lp = labels.mutable_data();
+  int64_t rounds;
+  {
+    py::gil_scoped_release release;
+    ck::ThreadScope threads(n_threads);
+    rounds = ck::auction_assign(dist.data(), n, k, lo_v.data(), hi_v.data(), state, lp, ck::AuctionParams(),
+                                collective, ck::RowBlock{offset, n_total});
+  }
+  py::dict r;
+  r["labels"] = labels;
+  r["rounds"] = rounds;
+  r["used_general"] = state.used_general;
+  r["floor_prices"] = to_numpy(state.floor_prices, {static_cast<py::ssize_t>(state.floor_prices.size())});
+  r["general_prices"] = to_numpy(state.general_prices, {static_cast<py::ssize_t>(state.general_prices.size())});
+  return r;
+}
+
 #ifdef CLUSTER_KERNELS_WITH_CUDA
 // The CUDA entry points take raw device pointers (tensor.data_ptr()) and the caller's stream handle
 // (torch.cuda.current_stream().cuda_stream); outputs are preallocated by the caller.
@@ -193,6 +279,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("spherical"), py::arg("n_threads") = 0);
   m.def("auction_assign", &auction, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("force_general") = false,
         "Capacity-constrained assignment for a float64 (n, k) cost matrix: (labels, rounds, used_general).");
+  m.def("auction_block", &auction_block, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("comm"),
+        py::arg("offset"), py::arg("n_total"), py::arg("floor_prices") = py::none(),
+        py::arg("general_prices") = py::none(), py::arg("n_threads") = 0,
+        "auction_assign for one rank of many: dist holds rows [offset, offset + n) of the global (n_total, k) "
+        "cost matrix and comm provides the collectives (distributed, sum, max, select). Warm-start prices in "
+        "and out: {labels, rounds, used_general, floor_prices, general_prices}.");
 
 #ifdef CLUSTER_KERNELS_WITH_CUDA
   m.attr("has_cuda") = true;

@@ -53,7 +53,7 @@ struct AuctionState {
 // Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
 // lo[j] <= size_j <= hi[j]. The problem without lower bounds is solved first (floor auction); if
 // its solution meets them it is optimal, otherwise the general (dummy) auction runs. Returns the
-// number of auction rounds.
+// number of auction rounds. Implemented in auction.cpp; auction.h has the form for one rank of many.
 int64_t auction_assign(const double* dist, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
                        AuctionState& state, int64_t* labels, const AuctionParams& ap = AuctionParams());
 

@@ -1,9 +1,9 @@
-// Capacity-constrained K-means on CUDA: csrc/cpu/kmeans.cpp moved onto the GPU step for step.
+// Capacity-constrained K-means on CUDA: csrc/cpu/kmeans.cpp and auction.cpp moved onto the GPU step for step.
 //
 // Same prepared data, same eviction auction (the floor form first, the general form with dummy units
 // only when the lower bounds are not met), same eps schedule, same splitmix64 k-means++ draws, same
 // empty-cluster re-seeding, convergence test and "keep the previous labels unless the new assignment
-// is cheaper" guard. Read kmeans.cpp first: the host code below follows it line by line.
+// is cheaper" guard. Read kmeans.cpp and auction.cpp first: the host code below follows them.
 //
 // Parallel decomposition
 // * Per-point work runs on the device with grid-stride loops and int64 offsets: centring, distances
@@ -1079,7 +1079,7 @@ void sort_pairs(Ctx& ctx, const KeyT* kin, KeyT* kout, const int* vin, int* vout
 }
 
 // ------------------------------------------------------------------------------------------------
-// The eviction auction (mirrors floor_auction, dummy_auction and auction_assign of kmeans.cpp)
+// The eviction auction (mirrors FloorAuction, DummyAuction and auction_assign of auction.cpp)
 // ------------------------------------------------------------------------------------------------
 
 
@@ -1125,7 +1125,7 @@ class AuctionGpu {
     ctx.sync();  // `id` dies here
   }
 
-  // auction_assign of kmeans.cpp on the device cost matrix D (n, k); labels: device int32 (n).
+  // auction_assign of auction.cpp on the device cost matrix D (n, k); labels: device int32 (n).
   int64_t assign(const double* D, const int64_t* lo, const int64_t* hi, AuctionState& state, int* labels,
                  const AuctionParams& ap) {
     D_ = D;
@@ -1256,7 +1256,7 @@ class AuctionGpu {
     return arrivals;
   }
 
-  // floor_auction of kmeans.cpp; the result is left in obj_ (cluster per point).
+  // FloorAuction of auction.cpp; the result is left in obj_ (cluster per point).
   int64_t floor_auction(const int64_t* hi, std::vector<double>& prices, const AuctionParams& ap) {
     const int64_t n = n_, k = k_;
     cl_ = cl_id_.data();
@@ -1273,7 +1273,7 @@ class AuctionGpu {
       argmin_all();
       counts = histogram(ctx_, hist_, obj_.data(), n, m_);
     };
-    // Phase start (see kmeans.cpp): the exact argmin in the first phase, later only the points that
+    // Phase start (see auction.cpp): the exact argmin in the first phase, later only the points that
     // violate the new eps move; then reverse steps for under-full clusters with a positive price,
     // one cluster at a time in index order.
     auto start = [&](bool first) {
@@ -1374,7 +1374,7 @@ class AuctionGpu {
     return rounds;
   }
 
-  // dummy_auction of kmeans.cpp; writes cluster labels (int32) to `labels`.
+  // DummyAuction of auction.cpp; writes cluster labels (int32) to `labels`.
   int64_t dummy_auction(const int64_t* lo, const int64_t* hi, std::vector<double>& prices, int* labels,
                         const AuctionParams& ap) {
     const int64_t n = n_, k = k_;
@@ -1401,7 +1401,7 @@ class AuctionGpu {
     std::vector<int64_t> dummies = auction::place_dummies(prices, ob, real, n_dummy);
 
     std::vector<int> slot(m, -1);
-    // lb[o]: lower bound on the smallest regret among o's real members (see kmeans.cpp).
+    // lb[o]: lower bound on the smallest regret among o's real members (see auction.cpp).
     std::vector<double> lb(m, -kInf);
     std::vector<SegmentOut> res;
     std::vector<double> arrival_min;

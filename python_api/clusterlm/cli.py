@@ -8,6 +8,8 @@ Commands:
     compare full data, random, cluster (default and paper presets), S2L, IFD and LESS through the same
             trainer: selection seconds, training seconds, held-out loss (compare.json/.md/.png).
     report  redraw DIR/report.png and print the summary of a saved plan.
+    export  write a plan as one data set in interleaved global order with a weight column (save_to_disk +
+            JSONL), for trainers that shard a data set without shuffling (clusterlm.export).
     demo    the whole method on the built-in data set (Python standard-library functions, a small
             Llama model): select for 2 ranks at 31 %, then a short 2-process training run on CPU.
 """
@@ -15,12 +17,40 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
+
+from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
+from clusterlm import train as trainer
+from clusterlm.baselines import baseline_plan, is_baseline_spec
+from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, run_compare
+from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
+from clusterlm.demo import demo_data
+from clusterlm.distributed import featurize_sharded
+from clusterlm.export import export_files
+from clusterlm.launch import SELECT_MODULE, barrier, init_distributed, spawn, strip_options, under_torchrun
+from clusterlm.models import load_model
+from clusterlm.picking import l2_normalise
+from clusterlm.plan import Plan
+from clusterlm.report import draw_report, save_report_data
+from clusterlm.select import (
+    CLUSTERINGS,
+    PRESETS,
+    build_featurizer,
+    resolve_feature_tokens,
+    resolve_seed,
+    select,
+    select_from_features,
+)
+from clusterlm.store import FeatureStore
 
 DEMO_OUT = "runs/demo"
 
@@ -55,48 +85,8 @@ def _dim_arg(value: str) -> int | tuple[int, int]:
     return int(value)
 
 
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _select_argv_for_ranks(args: argparse.Namespace, argv: list[str]) -> list[str]:
-    """``argv`` without ``--nproc N`` (the launcher's option, not the ranks')."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
-
-
-def launch_select(argv: list[str], nproc: int) -> int:
-    """Run ``clusterlm select`` on ``nproc`` processes through torch's launcher (``-m clusterlm.select``)."""
-    env = {**os.environ}
-    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank unless the user asks otherwise
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "clusterlm.select", *argv]
-    return subprocess.run(cmd, env=env, check=False).returncode
-
-
 def _run_select_distributed(args: argparse.Namespace) -> Any:
     """One rank of ``torchrun -m clusterlm.select``: sharded features, distributed K-means, plan on rank 0."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
-    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
-    from clusterlm.distributed import barrier, featurize_sharded, init_distributed
-    from clusterlm.models import load_model
-    from clusterlm.report import draw_report, save_report_data
-    from clusterlm.select import PRESETS, _l2_normalise, build_featurizer, resolve_feature_tokens, select_from_features
-    from clusterlm.store import FeatureStore
-
     info = init_distributed()
     main_rank = info.rank == 0
     show = main_rank and not args.no_progress
@@ -121,7 +111,7 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
 
     def clustering(n_clusters: int, *, min_size: Any, max_size: Any, n_init: int, max_iter: int, seed: int,
                    l2_normalize: bool) -> Any:
-        xl = _l2_normalise(x_local) if l2_normalize else x_local  # per row: the same as normalising globally
+        xl = l2_normalise(x_local) if l2_normalize else x_local  # per row: the same as normalising globally
         # init_sample_size = N: k-means++ on all rows, so the plan equals the single-process one
         res = distributed_capacity_kmeans(xl, n_clusters, min_size=min_size, max_size=max_size, n_init=n_init,
                                           max_iter=max_iter, seed=seed, init_sample_size=len(data), progress=show)
@@ -133,11 +123,12 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     plan = select_from_features(
         full, world_size=args.world_size, lengths=data.lengths, ratio=args.ratio, budget=args.budget,
         token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset, seed=args.seed,
+        clustering=args.clustering,
         max_cluster_size=args.max_cluster_size,
         min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
         clusters_per_rank=args.clusters_per_rank, fingerprint=data.fingerprint(), model_id=model_id,
-        timings=timings, clustering=clustering,
+        timings=timings, cluster_fn=clustering,
         extra_config={"features": featurizer.config() | {"layers_preset": features},
                       "selection_processes": info.world_size},
     )
@@ -165,23 +156,17 @@ def run_select(args: argparse.Namespace) -> Any:
     one feature store and the K-means runs distributed (:func:`cluster_kernels.distributed_capacity_kmeans`);
     rank 0 writes the plan. The plan is the same as the single-process one.
     """
-    if all(k in os.environ for k in _TORCHRUN_ENV) and int(os.environ["WORLD_SIZE"]) > 1:
+    args.seed = resolve_seed(args.preset, args.seed)  # the preset's default seed (42 for the paper preset)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         return _run_select_distributed(args)
     if getattr(args, "nproc", 1) > 1:
-        argv = _select_argv_for_ranks(args, args.argv) if getattr(args, "argv", None) else None
+        argv = strip_options(args.argv, ("--nproc",)) if getattr(args, "argv", None) else None
         if argv is None:
             raise ValueError("select: --nproc needs the command line (use `clusterlm select ... --nproc N`).")
-        rc = launch_select(argv, args.nproc)
+        rc = spawn(SELECT_MODULE, argv, args.nproc)
         if rc != 0:
             raise RuntimeError(f"select: the {args.nproc} selection processes failed (exit status {rc}); see above.")
-        from clusterlm.plan import Plan
-
         return Plan.load(args.out)
-    from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
-    from clusterlm.models import load_model
-    from clusterlm.report import draw_report, save_report_data
-    from clusterlm.select import select
-
     out = Path(args.out)
     t0 = _stage("1/4", f"model {args.model}")
     model, tokenizer, model_id = load_model(args.model)
@@ -196,6 +181,7 @@ def run_select(args: argparse.Namespace) -> Any:
         model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget,
         token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset,
         features=args.features, dim=args.dim, feature_tokens=args.feature_tokens, seed=args.seed,
+        clustering=args.clustering,
         max_cluster_size=args.max_cluster_size,
         min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
@@ -221,9 +207,6 @@ def cmd_select(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from clusterlm.plan import Plan
-    from clusterlm.report import draw_report
-
     plan = Plan.load(args.dir)
     path = draw_report(args.dir, plan)
     print(plan.summary())
@@ -231,16 +214,217 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from clusterlm.train import cmd_train as train_command
+# ---------------------------------------------------------------------------------------------------
+# clusterlm train (the options of python -m clusterlm.train and torchrun -m clusterlm.train too)
+# ---------------------------------------------------------------------------------------------------
 
-    return train_command(args)
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value!r}")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value!r}")
+    return n
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Add the trainer's options to ``p`` (used by ``clusterlm train`` and ``python -m clusterlm.train``)."""
+    g = p.add_argument_group("what to train")
+    g.add_argument("--plan", required=True,
+                   help="plan directory (clusterlm select), or a baseline: 'full', 'random:<ratio>' (random:0.31), "
+                   "'random:<count>'")
+    g.add_argument("--model", required=True,
+                   help="built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, "
+                   "or a local HF model directory")
+    g.add_argument("--data", required=True, help="training data the plan was made for (.jsonl/.json/.parquet)")
+    g.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary, model)")
+    g.add_argument("--eval-data", default=None, help="held-out data; its answer-token loss is reported")
+    g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one; "
+                   "must match the plan's selection)")
+    g.add_argument("--max-length", type=_positive_int, default=None,
+                   help="truncate examples to this many tokens (default: the plan's, else 1024)")
+
+    g = p.add_argument_group("processes")
+    g.add_argument("--nproc", type=_positive_int, default=None,
+                   help="processes on this node; > 1 spawns torch.distributed.run (default 1; ignored under torchrun)")
+    g.add_argument("--nnodes", type=_positive_int, default=1, help="nodes (with --rdzv-endpoint)")
+    g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous for --nnodes > 1")
+    g.add_argument("--rdzv-id", default="clusterlm", help="rendezvous id shared by the nodes of one run")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads per rank (default 1 on CPU: deterministic and no oversubscription)")
+
+    g = p.add_argument_group("schedule")
+    g.add_argument("--epochs", type=_positive_int, default=1)
+    g.add_argument("--max-steps", type=_positive_int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=4, help="examples per rank and forward pass")
+    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
+    g.add_argument("--lr-schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=None, help="linear warm-up steps")
+    g.add_argument("--warmup-ratio", type=float, default=0.0, help="warm-up as a fraction of all steps")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="final learning rate / peak")
+    g.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled decay of matrices (not biases/norms)")
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.999)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    g.add_argument("--seed", type=_non_negative_int, default=0)
+    g.add_argument("--no-epoch-shuffle", action="store_true", help="visit the plan order every epoch")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on CUDA)")
+    g.add_argument("--model-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype the weights are loaded in")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--lora-r", type=_non_negative_int, default=0, help="LoRA rank (0: full fine-tuning)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * r)")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated module names for LoRA, or 'all-linear'")
+    g.add_argument("--deterministic", choices=("auto", "on", "off"), default="auto",
+                   help="torch.use_deterministic_algorithms (auto: on for CPU)")
+
+    g = p.add_argument_group("evaluation, checkpoints, logging")
+    g.add_argument("--eval-every", type=_non_negative_int, default=0,
+                   help="evaluate every N steps (0: only before the first and after the last step)")
+    g.add_argument("--no-initial-eval", action="store_true",
+                   help="skip the held-out evaluation before the first step (e.g. when it is known already)")
+    g.add_argument("--eval-batch-size", type=_positive_int, default=8)
+    g.add_argument("--eval-max-examples", type=_positive_int, default=None, help="evaluate on the first N only")
+    g.add_argument("--save-every", type=_non_negative_int, default=0,
+                   help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep-checkpoints", type=_positive_int, default=2)
+    g.add_argument("--resume", nargs="?", const=trainer.LATEST, default=None,
+                   help="continue OUT's latest checkpoint (or the given .pt file)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that holds an earlier run")
+    g.add_argument("--no-save-model", action="store_true", help="do not write OUT/model at the end")
+    g.add_argument("--log-every", type=_positive_int, default=10, help="log line every N steps without a bar")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    """The options of ``clusterlm train`` alone (``python -m clusterlm.train`` is that command)."""
+    parser = argparse.ArgumentParser(prog="clusterlm train", description=(trainer.__doc__ or "").split("\n")[0])
+    add_train_args(parser)
+    return parser
+
+
+# Options of the launching process only (--nproc, --nnodes, --rdzv-*); torch's launcher would also reject them
+# (--nproc is an ambiguous prefix of its --nproc-per-node), so they are not passed on to the ranks.
+_LAUNCHER_DESTS = tuple(o[2:].replace("-", "_") for o in trainer.LAUNCHER_OPTIONS)
+
+
+def train_argv(args: argparse.Namespace, *, for_ranks: bool = False) -> list[str]:
+    """The command line that parses back into ``args`` (without the launcher options when ``for_ranks``)."""
+    argv: list[str] = []
+    for action in build_train_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        if for_ranks and action.dest in _LAUNCHER_DESTS:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        opt = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(opt)
+        elif action.nargs == "?" and value == action.const:
+            argv.append(opt)
+        else:
+            argv += [opt, str(value)]
+    return argv
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """Train in this process (under torchrun or alone), or spawn the ranks; returns the exit status.
+
+    A baseline spec (``--plan full`` / ``random:...``) is resolved here, where the baselines are in reach:
+    :func:`clusterlm.baselines.baseline_plan` goes to the trainer, which builds the plan from its data.
+    """
+    nproc = args.nproc or 1
+    trainer.validate_args(args)  # before any process is spawned: one error line instead of one per rank
+    spec = is_baseline_spec(args.plan)
+    if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
+        plan_ws = None if spec else trainer.plan_world_size(args.plan)
+        if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
+            raise trainer.world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")
+        return trainer.launch(train_argv(args, for_ranks=True), nproc, nnodes=args.nnodes,
+                              rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    trainer.train(args, build_plan=baseline_plan if spec else None)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``clusterlm train``: run with a namespace that :func:`add_train_args` filled; returns the exit status.
+
+    Argument errors (bad plan, world-size mismatch, data the plan was not made for, an out directory
+    holding another run) print one line ``clusterlm train: error: ...`` (from rank 0) and return 2.
+    """
+    try:
+        return _run_train(args)
+    except (ValueError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"clusterlm train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def train_here(argv: list[str]) -> int:
+    """``clusterlm train ARGV`` in this process: :func:`clusterlm.train.launch`'s ``run_here`` for one process."""
+    return main(["train", *argv])
+
+
+def train_demo(
+    plan_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    nproc: int = 2,
+    max_steps: int = 40,
+    micro_batch_size: int = 8,
+    lr: float = 1e-3,
+    eval_every: int = 20,
+    eval_max_examples: int | None = 128,
+    seed: int = 0,
+    progress: bool = True,
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Train the demo model on the demo data with a plan made by ``clusterlm demo``; returns the summary.
+
+    Args:
+        plan_dir: the plan (made on the demo train split for ``nproc`` ranks).
+        out_dir: output directory (an earlier run there is overwritten).
+        nproc: processes (CPU ranks with gloo, or GPUs).
+        max_steps / micro_batch_size / lr / eval_every / eval_max_examples / seed: trainer options.
+        progress: progress bar.
+        extra_args: further trainer arguments.
+
+    Raises:
+        RuntimeError: the training processes failed.
+    """
+    demo = demo_data()
+    argv = ["--plan", str(plan_dir), "--model", "tiny-llama", "--data", str(demo.train), "--eval-data",
+            str(demo.heldout), "--out", str(out_dir), "--max-steps", str(max_steps), "--micro-batch-size",
+            str(micro_batch_size), "--lr", str(lr), "--warmup-steps", str(max(1, max_steps // 10)),
+            "--eval-every", str(eval_every), "--seed", str(seed), "--overwrite", "--no-save-model"]
+    if eval_max_examples is not None:
+        argv += ["--eval-max-examples", str(eval_max_examples)]
+    if not progress:
+        argv.append("--no-progress")
+    argv += list(extra_args)
+    rc = trainer.launch(argv, nproc, run_here=train_here)
+    if rc != 0:
+        raise RuntimeError(f"train_demo: the trainer exited with status {rc} (its output is above).")
+    return json.loads((Path(out_dir) / trainer.SUMMARY).read_text(encoding="utf-8"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clusterlm.demo import demo_data
-    from clusterlm.train import train_demo
-
     t0 = time.perf_counter()
     demo = demo_data()
     print(f"built-in data set: {demo.train} (held-out: {demo.heldout})")
@@ -284,7 +468,10 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-tokens", type=_feature_tokens_arg, default=None,
                    help="feature window: tokens per example the features look at (answer start + some prompt), or "
                    "'all'; default: 64 (--preset default), all (--preset paper)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="default: 0 (42 with --preset paper, the authors' default)")
+    p.add_argument("--clustering", choices=CLUSTERINGS, default=None,
+                   help="paper preset: 'authors' (default: their sklearn K-means + greedy 1.5 N/K cap) or 'exact' "
+                   "(this library's capacity K-means); the default preset is always exact")
     p.add_argument("--max-cluster-size", type=_size_arg, default="1.5x", help="int, '<f>x' of N/C, or none")
     p.add_argument("--min-cluster-size", type=_size_arg, default="budget", help="int, 'budget', or none")
     p.add_argument("--within-cluster", choices=("farthest", "nearest", "random", "kcenter"), default="farthest")
@@ -302,6 +489,110 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    "distributed K-means; the plan is the same as with 1)")
 
 
+def _methods_arg(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def _seeds_arg(value: str) -> list[int]:
+    """``3`` -> seeds 0, 1, 2; ``0,5,7`` -> those seeds."""
+    try:
+        if "," in value:
+            seeds = [int(v) for v in value.split(",") if v.strip()]
+        else:
+            seeds = list(range(int(value)))
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds >= 0 (0,1,2), got {value!r}")
+    return seeds
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    """Add ``clusterlm compare``'s options to ``p``."""
+    p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
+    p.add_argument("--eval-data", default=None, help="held-out data; default: the demo held-out split")
+    p.add_argument("--model", default="tiny-llama",
+                   help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
+    p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
+    p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
+    p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2], help="count (3) or list (0,1,2)")
+    p.add_argument("--out", default="runs/compare", help="output directory (resumable)")
+    p.add_argument("--epochs", type=int, default=1, help="training epochs over each method's selection")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="cap on optimizer steps (smoke runs; not with 'full', whose cost is defined by its data)")
+    # The trainer's defaults (clusterlm train), so that compare trains as a plain `train` would.
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (trainer, S2L proxy, LESS warm-up)")
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--max-length", type=int, default=None, help="truncate examples (default: none, as train)")
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                   help="bf16 autocast in training (auto: on CUDA); passed to the trainer")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank for training (0: full fine-tuning)")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--n-validation", type=int, default=None,
+                   help="last examples of the eval data used as LESS's validation set, excluded from evaluation for "
+                   f"every method (default: {N_VALIDATION} when less runs, else 0)")
+    p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per training rank")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--s2l-clusters", type=int, default=100)
+    p.add_argument("--s2l-epochs", type=int, default=1)
+    p.add_argument("--less-epochs", type=int, default=4)
+    p.add_argument("--less-dim", type=int, default=1024)
+    p.add_argument("--no-progress", action="store_true")
+
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``clusterlm compare``: run it, print the table; argument errors print one line and return 2."""
+    try:
+        result = run_compare(args, run_here=train_here)
+    except ValueError as e:
+        print(f"clusterlm compare: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:
+        print(f"clusterlm compare: {e}", file=sys.stderr, flush=True)
+        return 1
+    print("\n" + markdown_table(result))
+    out = Path(args.out)
+    print(f"\nwritten: {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    paths, verified = export_files(
+        args.plan, args.data, args.out, model=args.model, max_length=args.max_length,
+        chat_template=CHAT_TEMPLATE_MODES[args.chat_template], split=args.split, batch_size=args.batch_size,
+        epochs=args.epochs, seed=args.seed, shuffle=not args.no_shuffle, drop_last=args.drop_last,
+        weight_column=args.weight_column)
+    check = "plan fingerprint verified" if verified else "raw rows: only their number checked (--model verifies)"
+    print(f"exported {args.plan} -> {paths['dataset']} (save_to_disk), {paths['jsonl']}, {paths['manifest']}; {check}")
+    return 0
+
+
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan directory (clusterlm select --out)")
+    p.add_argument("--data", required=True, help="the data the plan was made for: a file or save_to_disk directory")
+    p.add_argument("--out", required=True, help="output directory: dataset/, train.jsonl, export.json")
+    p.add_argument("--batch-size", type=_positive_int, default=1,
+                   help="per-device batch size of the consuming trainer (1 for DistributedSampler(shuffle=False))")
+    p.add_argument("--epochs", type=_positive_int, default=1, help="epochs written back to back, each reshuffled")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="plan sampler seed of the per-epoch order")
+    p.add_argument("--no-shuffle", action="store_true", help="every epoch in plan order")
+    p.add_argument("--drop-last", action="store_true", help="drop each rank's last per-rank %% batch-size examples")
+    p.add_argument("--weight-column", default="weight")
+    p.add_argument("--split", default=None, help="split of a DatasetDict directory")
+    p.add_argument("--model", default=None, help="tokenise raw rows with this model's tokenizer and verify the plan")
+    p.add_argument("--max-length", type=int, default=None, help="with --model (default: the plan's)")
+    p.add_argument("--chat-template", choices=list(CHAT_TEMPLATE_MODES), default="auto", help="with --model")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterlm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -309,18 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_select_args(p_sel)
     p_sel.set_defaults(func=cmd_select)
     p_train = sub.add_parser("train", help="reference DDP trainer on a plan (torchrun; gloo on CPU, nccl on GPU)")
-    from clusterlm.train import add_train_args
-
     add_train_args(p_train)
     p_train.set_defaults(func=cmd_train)
     p_cmp = sub.add_parser("compare", help="all selection methods through the same trainer: time and held-out loss")
-    from clusterlm.compare import add_compare_args, cmd_compare
-
     add_compare_args(p_cmp)
     p_cmp.set_defaults(func=cmd_compare)
     p_rep = sub.add_parser("report", help="redraw report.png and print the summary of a saved plan")
     p_rep.add_argument("dir", help="plan directory")
     p_rep.set_defaults(func=cmd_report)
+    p_exp = sub.add_parser("export", help="write a plan as one ordered data set with a weight column")
+    _add_export_args(p_exp)
+    p_exp.set_defaults(func=cmd_export)
     p_demo = sub.add_parser("demo", help="the whole method on the built-in standard-library code data set")
     p_demo.add_argument("--world-size", type=int, default=2)
     p_demo.add_argument("--ratio", type=float, default=0.31)

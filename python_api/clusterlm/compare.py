@@ -51,6 +51,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,11 @@ from clusterlm._io import atomic_write_text
 from clusterlm.baselines import full_plan, ifd_plan, less_plan, random_plan, s2l_plan
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
+from clusterlm.engine import CKPT_DIR
+from clusterlm.metrics import SUMMARY
 from clusterlm.models import load_model
 from clusterlm.select import select
-from clusterlm.train import CKPT_DIR, SUMMARY, launch
+from clusterlm.train import launch
 
 __all__ = ["METHODS", "N_VALIDATION", "STATE", "goals", "markdown_table", "read_state", "run_compare", "summarize"]
 
@@ -158,11 +161,13 @@ def _train_argv(args: argparse.Namespace, plan_dir: Path, train_dir: Path, data_
     return argv
 
 
-def run_compare(args: argparse.Namespace) -> dict[str, Any]:
+def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int] | None = None) -> dict[str, Any]:
     """Run (or continue) the comparison; returns the ``compare.json`` content.
 
     Args:
         args: the options of ``clusterlm compare`` (:func:`clusterlm.cli.add_compare_args`).
+        run_here: trains a one-rank unit in this process (``clusterlm.cli.train_here``; see
+            :func:`clusterlm.train.launch`); None starts a child process for it.
 
     Raises:
         ValueError: bad arguments (ratio, world size, too few evaluation examples).
@@ -182,7 +187,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
           f"(in {state_path}), {len(todo)} to run")
     if todo:
         saved_threads = torch.get_num_threads()
-        session = _Session.load(args, data_path, eval_path)
+        session = _Session.load(args, data_path, eval_path, run_here)
         for method, seed in todo:
             record = {"key": key, **session.run_unit(method, seed, out / "runs" / f"{method}-s{seed}", done)}
             _append_state(state_path, record)
@@ -237,9 +242,11 @@ class _Session:
     validation: list[Any]
     n_eval: int
     use_cuda: bool
+    run_here: Callable[[list[str]], int] | None
 
     @classmethod
-    def load(cls, args: argparse.Namespace, data_path: str, eval_path: str) -> _Session:
+    def load(cls, args: argparse.Namespace, data_path: str, eval_path: str,
+             run_here: Callable[[list[str]], int] | None) -> _Session:
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if not use_cuda:
             torch.set_num_threads(max(1, args.threads * args.world_size))
@@ -260,7 +267,7 @@ class _Session:
         n_eval = n_eval_all - n_validation
         if args.eval_max_examples:
             n_eval = min(n_eval, args.eval_max_examples)
-        return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda)
+        return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda, run_here)
 
     def _timed_select(self, method: str, seed: int) -> tuple[Any, float]:
         if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
@@ -291,7 +298,7 @@ class _Session:
                        None)
         argv = _train_argv(args, run_dir / "plan", run_dir / "train", self.data_path, self.eval_path, self.n_eval,
                            seed, initial_eval=initial is None)
-        rc = launch(argv, args.world_size)
+        rc = launch(argv, args.world_size, run_here=self.run_here)
         if rc != 0:
             raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
                                f"above. Rerun the same command to continue with the units not yet done.")

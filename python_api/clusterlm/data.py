@@ -6,11 +6,14 @@ input_ids[t]`` on answer tokens (the Hugging Face causal-LM convention: the mode
 
 Accepted sources (:func:`load_data`): a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with
 Hugging Face ``datasets`` from local files only, through a temporary cache that is deleted afterwards,
-so nothing touches the network or the user's HF cache), a list of dicts, a ``datasets.Dataset`` (or a
-``DatasetDict`` with ``split``), or already-tokenised example dicts. Record formats, detected from the
-columns:
+so nothing touches the network or the user's HF cache), a directory written by ``Dataset.save_to_disk`` /
+``DatasetDict.save_to_disk``, a list of dicts, a ``datasets.Dataset`` (or a ``DatasetDict`` with ``split``),
+or already-tokenised example dicts. Record formats, detected from the columns:
 
 - ``prompt`` / ``response`` ("prompt-response");
+- ``prompt`` / ``completion`` ("prompt-completion", TRL's format): strings are read like prompt/response;
+  conversational ones (lists of ``{"role", "content"}``) are the conversation ``prompt + completion``
+  rendered like chat data, with only the completion's assistant turns trained;
 - ``instruction`` / ``input`` (optional) / ``output`` ("alpaca"): prompt = instruction, plus
   ``"\\n\\n" + input`` when the input is non-empty;
 - ``messages`` ("chat"): a list of ``{"role", "content"}`` rendered with the tokenizer's chat template;
@@ -64,15 +67,17 @@ __all__ = [
     "fingerprint",
     "lengths_of",
     "load_data",
+    "read_columns",
 ]
 
-FORMATS = ("prompt-response", "alpaca", "chat", "tokenized")
+FORMATS = ("prompt-response", "prompt-completion", "alpaca", "chat", "tokenized")
 # The command lines' --chat-template values -> load_data(chat_template=...).
 CHAT_TEMPLATE_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _ACCEPTED = (
-    "'prompt'/'response'; Alpaca 'instruction'/'input'(optional)/'output'; chat 'messages' (a list of "
-    "{'role', 'content'}); or already tokenised 'input_ids'/'labels'"
+    "'prompt'/'response'; TRL's 'prompt'/'completion' (strings or conversations); Alpaca "
+    "'instruction'/'input'(optional)/'output'; chat 'messages' (a list of {'role', 'content'}); or already "
+    "tokenised 'input_ids'/'labels'"
 )
 _CHUNK = 1024  # texts per tokenizer call: large enough to batch well, small enough for a smooth progress bar
 _PROGRESS_MIN = 2000  # no bar below this many examples (it would only flicker)
@@ -314,9 +319,10 @@ def load_data(
     """Load, tokenise and mask a supervised fine-tuning data set.
 
     Args:
-        source: a path to a local ``.jsonl`` / ``.json`` (list of records) / ``.parquet`` file, a list of
-            dicts, a ``datasets.Dataset`` / ``DatasetDict``, or already tokenised example dicts (``input_ids``
-            and ``labels``; a list or an :class:`SFTDataset`). Record formats: see the module docstring.
+        source: a path to a local ``.jsonl`` / ``.json`` (list of records) / ``.parquet`` file or to a
+            ``save_to_disk`` directory, a list of dicts, a ``datasets.Dataset`` / ``DatasetDict``, or already
+            tokenised example dicts (``input_ids`` and ``labels``; a list or an :class:`SFTDataset`). Record
+            formats: see the module docstring.
         tokenizer: a Hugging Face tokenizer (fast ones are much quicker); may be None for tokenised data.
             Chat data needs its ``chat_template``.
         max_length: longest sequence kept (the head is kept and the example counted in ``n_truncated``);
@@ -362,29 +368,7 @@ def load_data(
                 f"load_data: {description} holds text in the {fmt!r} format, so a tokenizer is required "
                 "(e.g. transformers.AutoTokenizer.from_pretrained(<model dir>)); got tokenizer=None."
             )
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if chat_template not in (None, True, False):
-            raise TypeError(f"load_data: chat_template must be None, True or False, got {chat_template!r}.")
-        if chat_template is True and not has_template:
-            raise ValueError(
-                "load_data: chat_template=True, but the tokenizer has no chat template. Set "
-                "tokenizer.chat_template, or pass chat_template=False (plain prompt + response)."
-            )
-        use_template = fmt == "chat" or (has_template if chat_template is None else chat_template)
-        bar = _progress(n, progress)
-        try:
-            if fmt == "chat":
-                input_ids, labels = _tokenize_chat(columns["messages"], tokenizer, bar)
-            else:
-                prompts, responses = _prompts_responses(columns, fmt)
-                if use_template:
-                    conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
-                                     for p, r in zip(prompts, responses, strict=True)]
-                    input_ids, labels = _tokenize_chat(conversations, tokenizer, bar)
-                else:
-                    input_ids, labels = _tokenize_pairs(prompts, responses, tokenizer, bar)
-        finally:
-            bar.close()
+        input_ids, labels, use_template = _tokenize_text(columns, fmt, tokenizer, chat_template, n, progress)
     n_truncated = 0
     for i in range(n):
         if max_length is not None and len(input_ids[i]) > max_length:
@@ -406,6 +390,51 @@ def load_data(
         input_ids, labels, n_truncated=n_truncated, max_length=max_length, source=description, format=fmt,
         rendering="tokenized" if fmt == "tokenized" else ("chat-template" if use_template else "plain"),
     )
+
+
+def _conversational(values: list[Any]) -> bool:
+    """TRL's conversational prompt/completion: the first non-empty value is a list of messages."""
+    first = next((v for v in values if v is not None), None)
+    return isinstance(first, (list, tuple))
+
+
+def _tokenize_text(
+    columns: Mapping[str, list[Any]], fmt: str, tokenizer: Any, chat_template: bool | None, n: int, progress: bool
+) -> tuple[list[np.ndarray], list[np.ndarray], bool]:
+    """Tokenise text records of format ``fmt``; returns ``(input_ids, labels, rendered through the template)``."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat_template not in (None, True, False):
+        raise TypeError(f"load_data: chat_template must be None, True or False, got {chat_template!r}.")
+    if chat_template is True and not has_template:
+        raise ValueError(
+            "load_data: chat_template=True, but the tokenizer has no chat template. Set "
+            "tokenizer.chat_template, or pass chat_template=False (plain prompt + response)."
+        )
+    conversational = fmt == "chat" or (fmt == "prompt-completion" and _conversational(columns["prompt"]))
+    use_template = conversational or (has_template if chat_template is None else chat_template)
+    bar = _progress(n, progress)
+    try:
+        if fmt == "chat":
+            return (*_tokenize_chat(columns["messages"], tokenizer, bar), True)
+        if conversational:  # TRL's conversational prompt/completion: only the completion's turns are trained
+            conversations, starts = [], []
+            for i, (p, c) in enumerate(zip(columns["prompt"], columns["completion"], strict=True)):
+                if not isinstance(p, (list, tuple)) or not isinstance(c, (list, tuple)):
+                    raise TypeError(
+                        f"load_data: example {i}: conversational 'prompt'/'completion' must both be lists of "
+                        f"{{'role', 'content'}} messages, got {type(p).__name__} and {type(c).__name__}."
+                    )
+                conversations.append([*p, *c])
+                starts.append(len(p))
+            return (*_tokenize_chat(conversations, tokenizer, bar, starts), True)
+        prompts, responses = _prompts_responses(columns, fmt)
+        if use_template:
+            conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                             for p, r in zip(prompts, responses, strict=True)]
+            return (*_tokenize_chat(conversations, tokenizer, bar), True)
+        return (*_tokenize_pairs(prompts, responses, tokenizer, bar), False)
+    finally:
+        bar.close()
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -444,11 +473,45 @@ def _read_source(source: Any, split: str | None) -> tuple[dict[str, list[Any]], 
     )
 
 
+def read_columns(source: Any, split: str | None = None) -> dict[str, list[Any]]:
+    """The raw columns of ``source`` as :func:`load_data` reads them before tokenising (name -> list of values).
+
+    Args:
+        source: any source :func:`load_data` accepts (a file, a ``save_to_disk`` directory, a list of dicts, a
+            ``datasets.Dataset`` / ``DatasetDict``, an :class:`SFTDataset`).
+        split: the split of a ``DatasetDict`` (required when it has several).
+
+    Raises:
+        FileNotFoundError, ValueError, TypeError: as :func:`load_data` for the same source.
+    """
+    return _read_source(source, split)[0]
+
+
+# Files that Dataset.save_to_disk / DatasetDict.save_to_disk write into their directory.
+_SAVED_DATASET_FILES = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> tuple[dict[str, list[Any]], str]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as err:  # FileNotFoundError is an OSError
+        raise ValueError(f"load_data: {str(path)!r} could not be read with datasets.load_from_disk: {err}") from err
+    columns, description = _read_source(ds, split)
+    return columns, f"{path} ({description})"
+
+
 def _read_file(path: Path, split: str | None) -> tuple[dict[str, list[Any]], str]:
     if not path.exists():
         raise FileNotFoundError(f"load_data: no such file {str(path)!r}; give the path of a local data file.")
+    if path.is_dir() and any((path / name).is_file() for name in _SAVED_DATASET_FILES):
+        return _read_saved_dataset(path, split)
     if not path.is_file():
-        raise ValueError(f"load_data: {str(path)!r} is a directory; give the path of one data file.")
+        raise ValueError(
+            f"load_data: {str(path)!r} is a directory but not one written by datasets' save_to_disk; give the path "
+            "of one data file or of a save_to_disk directory."
+        )
     suffix = path.suffix.lower()
     if suffix not in FILE_SUFFIXES:
         raise ValueError(
@@ -500,6 +563,8 @@ def _detect_format(columns: Mapping[str, list[Any]], description: str) -> str:
         fmt, required = "chat", ("messages",)
     elif {"prompt", "response"} <= names:
         fmt, required = "prompt-response", ("prompt", "response")
+    elif {"prompt", "completion"} <= names:
+        fmt, required = "prompt-completion", ("prompt", "completion")
     elif {"instruction", "output"} <= names:
         fmt, required = "alpaca", ("instruction", "output")
     else:
@@ -524,9 +589,10 @@ def _text(value: Any, column: str, index: int) -> str:
 
 
 def _prompts_responses(columns: Mapping[str, list[Any]], fmt: str) -> tuple[list[str], list[str]]:
-    if fmt == "prompt-response":
+    if fmt in ("prompt-response", "prompt-completion"):
+        answer = "response" if fmt == "prompt-response" else "completion"
         prompts = [_text(v, "prompt", i) for i, v in enumerate(columns["prompt"])]
-        responses = [_text(v, "response", i) for i, v in enumerate(columns["response"])]
+        responses = [_text(v, answer, i) for i, v in enumerate(columns[answer])]
         return prompts, responses
     inputs = columns.get("input") or [None] * len(columns["instruction"])
     prompts = []
@@ -573,8 +639,9 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
     return text
 
 
-def _chat_segments(tokenizer: Any, messages: Any, index: int) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into ``(text, is_answer)`` segments at assistant-turn boundaries."""
+def _chat_segments(tokenizer: Any, messages: Any, index: int, trained_from: int = 0) -> list[tuple[str, bool]]:
+    """The rendered conversation cut into ``(text, is_answer)`` segments at assistant-turn boundaries; assistant
+    turns before message ``trained_from`` are not answers."""
     if not isinstance(messages, (list, tuple)) or not all(
         isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in messages
@@ -588,7 +655,7 @@ def _chat_segments(tokenizer: Any, messages: Any, index: int) -> list[tuple[str,
     segments: list[tuple[str, bool]] = []
     pos = 0
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < trained_from:
             continue
         before = _render(tokenizer, messages[:i], True)
         upto = _render(tokenizer, messages[: i + 1], False)
@@ -607,7 +674,7 @@ def _chat_segments(tokenizer: Any, messages: Any, index: int) -> list[tuple[str,
 
 
 def _tokenize_chat(
-    conversations: list[Any], tokenizer: Any, bar: Any
+    conversations: list[Any], tokenizer: Any, bar: Any, trained_from: Sequence[int] | None = None
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
@@ -616,7 +683,8 @@ def _tokenize_chat(
         )
     input_ids, labels = [], []
     for start in range(0, len(conversations), _CHUNK):
-        chunk = [_chat_segments(tokenizer, m, start + j) for j, m in enumerate(conversations[start : start + _CHUNK])]
+        chunk = [_chat_segments(tokenizer, m, start + j, trained_from[start + j] if trained_from else 0)
+                 for j, m in enumerate(conversations[start : start + _CHUNK])]
         flat = _encode(tokenizer, [text for segments in chunk for text, _ in segments])
         k = 0
         for segments in chunk:

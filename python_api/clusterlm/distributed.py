@@ -6,7 +6,7 @@ Launch one process per rank with torchrun (gloo on CPU, nccl on GPUs)::
 
 and in each process::
 
-    info = init_distributed()                       # env:// from torchrun's variables
+    info = init_distributed()                       # env:// from torchrun's variables (clusterlm.launch)
     part = featurize_sharded(featurizer, dataset, "features/", rank=info.rank, world_size=info.world_size)
     result = distributed_capacity_kmeans(part.local(), k=info.world_size, ...)   # rows part.start:part.stop
     if is_main():
@@ -19,6 +19,9 @@ unfinished shards (the others' work is untouched, even while they run). With a p
 then meet at a barrier, rank 0 assembles ``features.npy`` and every rank gets its rows as a read-only
 memory map. The features are identical to a single-process ``GradientFeaturizer.featurize`` with the
 same store (batches never cross a shard).
+
+The process group (:func:`init_distributed`, :func:`barrier`, :func:`is_main`, :class:`DistInfo`) is
+:mod:`clusterlm.launch`'s, the one the trainer joins too; they are importable from here as well.
 """
 
 from __future__ import annotations
@@ -33,76 +36,13 @@ import torch
 
 from cluster_kernels.distributed import shard_rows
 from clusterlm.data import fingerprint
+from clusterlm.launch import DistInfo, barrier, in_process_group, init_distributed, is_main
 from clusterlm.store import FeatureStore
 
+# DistInfo, barrier, init_distributed and is_main are clusterlm.launch's, re-exported for select scripts.
 __all__ = ["DistInfo", "ShardedFeatures", "barrier", "featurize_sharded", "init_distributed", "is_main"]
 
 DEFAULT_SHARD_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process sits: ``rank`` of ``world_size``, ``local_rank`` on its node, the backend."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str | None
-
-
-def _initialised() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def init_distributed(backend: str | None = None) -> DistInfo:
-    """Join the process group torchrun describes (env://), or run as a single process.
-
-    Without ``WORLD_SIZE`` in the environment (or with ``WORLD_SIZE=1``) nothing is initialised and rank 0
-    of 1 is returned; an already initialised group is returned as it is.
-
-    Args:
-        backend: "gloo", "nccl", ... (default: nccl when CUDA is available, else gloo). With nccl the
-            process's CUDA device is set to ``LOCAL_RANK``.
-
-    Returns:
-        :class:`DistInfo`.
-
-    Raises:
-        ValueError: ``WORLD_SIZE > 1`` but ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` is missing (launch
-            with torchrun), or nccl requested without CUDA.
-    """
-    dist = torch.distributed
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if _initialised():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistInfo(0, 1, 0, None)
-    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise ValueError(
-            f"init_distributed: WORLD_SIZE={world} but {', '.join(missing)} not set; launch the processes with "
-            "torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)."
-        )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ValueError("init_distributed: backend='nccl' needs CUDA, which is not available; use 'gloo'.")
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, init_method="env://")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend())
-
-
-def is_main() -> bool:
-    """True on rank 0, or when no process group is initialised (write plans, logs and reports only here)."""
-    return not _initialised() or torch.distributed.get_rank() == 0
-
-
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for without a process group)."""
-    if _initialised():
-        torch.distributed.barrier()
 
 
 @dataclass
@@ -191,28 +131,8 @@ def featurize_sharded(
             shard's (the message names the shard and its examples), a process group of another size.
         TypeError: a dataset without ``len`` / indexing.
     """
-    op = "featurize_sharded"
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"{op}: world_size must be an int >= 1, got {world_size!r}.")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"{op}: rank must be an int in [0, {world_size}), got {rank!r}.")
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(
-            f"{op}: dataset must support len() and dataset[i] (an SFTDataset, a list of dicts or a "
-            f"datasets.Dataset), got {type(dataset).__name__}; materialise a stream with list(...)."
-        )
-    if _initialised() and torch.distributed.get_world_size() != world_size:
-        raise ValueError(
-            f"{op}: world_size={world_size} but the process group has {torch.distributed.get_world_size()} ranks; "
-            "pass the group's size (init_distributed().world_size)."
-        )
-    if isinstance(store_dir, FeatureStore):
-        store = store_dir
-    else:
-        if shard_size is None:
-            existing = FeatureStore(store_dir)
-            shard_size = existing._read_manifest()["shard_size"] if existing.exists else DEFAULT_SHARD_SIZE
-        store = FeatureStore(store_dir, shard_size=shard_size)
+    _check_sharding(dataset, rank, world_size)
+    store = _open_store(store_dir, shard_size)
     n = len(dataset)
     size = store.shard_size
     n_shards = math.ceil(n / size)
@@ -236,8 +156,8 @@ def featurize_sharded(
             if record is not None:
                 if record["data_sha256"] != digest or record["rows"] != b - a:
                     raise ValueError(
-                        f"{op}: examples {a}..{b - 1} differ from those stored in shard {w} of {store.path}; the "
-                        "data changed since that run. Use a new store directory."
+                        f"featurize_sharded: examples {a}..{b - 1} differ from those stored in shard {w} of "
+                        f"{store.path}; the data changed since that run. Use a new store directory."
                     )
                 continue
             feats = featurizer.featurize(examples, batch_tokens=batch_tokens, store=None, shard_size=size,
@@ -249,7 +169,7 @@ def featurize_sharded(
     finally:
         bar.close()
     part = ShardedFeatures(store, rank, world_size, shards, start, stop, n, computed)
-    if _initialised():
+    if in_process_group():
         barrier()
         if rank == 0:
             part.finalize()
@@ -258,6 +178,34 @@ def featurize_sharded(
         part.finalize()
     store.reload()
     return part
+
+
+def _check_sharding(dataset: Any, rank: Any, world_size: Any) -> None:
+    op = "featurize_sharded"
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{op}: world_size must be an int >= 1, got {world_size!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"{op}: rank must be an int in [0, {world_size}), got {rank!r}.")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"{op}: dataset must support len() and dataset[i] (an SFTDataset, a list of dicts or a "
+            f"datasets.Dataset), got {type(dataset).__name__}; materialise a stream with list(...)."
+        )
+    if in_process_group() and torch.distributed.get_world_size() != world_size:
+        raise ValueError(
+            f"{op}: world_size={world_size} but the process group has {torch.distributed.get_world_size()} ranks; "
+            "pass the group's size (init_distributed().world_size)."
+        )
+
+
+def _open_store(store_dir: str | os.PathLike | FeatureStore, shard_size: int | None) -> FeatureStore:
+    """The shared store (a new one gets ``shard_size``, default the existing store's, else 1024)."""
+    if isinstance(store_dir, FeatureStore):
+        return store_dir
+    if shard_size is None:
+        existing = FeatureStore(store_dir)
+        shard_size = existing._read_manifest()["shard_size"] if existing.exists else DEFAULT_SHARD_SIZE
+    return FeatureStore(store_dir, shard_size=shard_size)
 
 
 def _rows_done(store: FeatureStore) -> int:

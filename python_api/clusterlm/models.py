@@ -22,9 +22,17 @@ so it is converted again.
 with ``local_files_only=True``. Built-in names take precedence over a directory of the same name
 (write ``./tiny-llama`` to mean the directory).
 
-The returned ``model_id`` is stable across processes: ``"<name>@<sha256 of config + weights, 12 hex>"``
-for built-ins and GGUF files, ``"<absolute path>@<sha256 of config.json, 12 hex>"`` for directories (hashing the
-weights of a large model would take too long; the path and config identify it in practice).
+``load_model("org/name")`` loads a Hugging Face hub model that is already in the local Hugging Face cache
+(``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), as ``HF_HUB_OFFLINE=1`` would:
+nothing is downloaded, and a model that is not cached is refused in one line naming the command that fetches it.
+
+The returned ``model_id`` is :func:`compute_model_id` of the loaded model, ``"<label>@<12 hex>"``: the hex is
+:func:`model_hash`, a sha256 over the model's config (without the keys that describe the library, the load
+call or the special tokens) and a strided sample of at most 65 536 values of every tensor, rounded to bfloat16,
+so the same model has the same id however it was loaded (built-in name, directory, cache, GGUF, a Python object
+from ``from_pretrained``; float32 or bfloat16) and any training step changes it. The label is informative only
+(the built-in or GGUF name, ``org/name`` for a cached hub model, else the directory's name); trainers compare the
+hashes (:func:`check_model_id`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -43,10 +52,12 @@ from typing import Any
 
 import torch
 
-from clusterlm.demo import DemoData, demo_data
+from clusterlm.demo import DemoData, default_root, demo_data
+from clusterlm.pretrain import build as build_pretrained_tiny_llama
+from clusterlm.pretrain import tiny_llama_config
 
-__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "convert_gguf", "find_gguf", "load_model",
-           "tiny_llama_config"]
+__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "check_model_id", "compute_model_id",
+           "convert_gguf", "find_gguf", "hf_hub_cache", "load_model", "model_hash", "model_label", "tiny_llama_config"]
 
 _INFO = "clusterlm_model.json"  # written last into a built-in's directory: its presence means complete
 _SEED = 0
@@ -69,27 +80,6 @@ class BuiltinModel:
     version: int = 1
 
 
-def tiny_llama_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int) -> Any:
-    """The ``LlamaConfig`` of ``"tiny-llama"`` for a tokenizer with these ids."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
-
-
 def _build_tiny_llama(out_dir: Path, demo: DemoData) -> None:
     from transformers import LlamaForCausalLM
 
@@ -110,24 +100,151 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
     "tiny-llama-pretrained": BuiltinModel(
         description="tiny-llama after a short causal-LM pre-training on the demo's pretrain.txt (clusterlm.pretrain)",
-        build=lambda out_dir, demo: __import__("clusterlm.pretrain", fromlist=["build"]).build(out_dir, demo),
+        build=build_pretrained_tiny_llama,
     ),
 }
 
 
-def _state_hash(model: torch.nn.Module, config: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+# ---------------------------------------------------------------------------------------------------
+# Model ids: one id for one model, however it was loaded
+# ---------------------------------------------------------------------------------------------------
+
+# Config keys that describe the library, the load call, or the special tokens and switches that load_model and
+# TRL set on a loaded model's config; none of them changes what the network computes.
+_VOLATILE_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "pad_token_id",
+    "bos_token_id", "eos_token_id", "use_cache", "attn_implementation", "_attn_implementation",
+    "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict",
+    "output_router_logits", "router_aux_loss_coef", "_commit_hash",
+})
+_HASH_SAMPLE = 1 << 16  # values per tensor that enter the hash (a strided sample of larger tensors)
+_HASH_HEX = re.compile(r"[0-9a-f]{12}")
+
+
+def _stable(config: Any) -> Any:
+    if isinstance(config, dict):
+        return {k: _stable(v) for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return config
+
+
+def _plain_model(model: Any) -> Any:
+    """The network itself: without DDP/Accelerate wrappers, and the base model of a PEFT model."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _base_weight_name(name: str) -> str | None:
+    """A PEFT-injected layer's name as in the base model; None for adapter weights."""
+    if "lora_" in name or ".modules_to_save." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def model_hash(model: Any) -> str | None:
+    """12 hex digits identifying a model's weights and config (see the module docstring).
+
+    Args:
+        model: a ``transformers`` causal LM (also wrapped in DDP / Accelerate, or a PEFT model: its base
+            weights count, the adapters do not).
+
+    Returns:
+        The hash, or None when the weights are not materialised in this process (meta tensors, DeepSpeed
+        ZeRO-3 partitions).
+    """
+    net = _plain_model(model)
+    config = getattr(net, "config", None)
+    config_dict = _stable(config.to_dict()) if hasattr(config, "to_dict") else {}
+    digest = hashlib.sha256(json.dumps(config_dict, sort_keys=True, default=str).encode())
+    weights = {}
+    for name, tensor in net.state_dict().items():
+        base = _base_weight_name(name)
+        if base is not None and tensor.is_floating_point():
+            weights[base] = tensor
+    for name, tensor in sorted(weights.items()):
+        if tensor.is_meta or getattr(tensor, "ds_numel", None) is not None:
+            return None
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, -(-flat.numel() // _HASH_SAMPLE))
+        # bfloat16 bits: a float32 and a bfloat16 load of the same checkpoint hash alike
+        sample = flat[::stride].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.tobytes())
     return digest.hexdigest()[:12]
 
 
-def _stable_config(model: torch.nn.Module) -> dict[str, Any]:
-    config = model.config.to_dict()
-    for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
-        config.pop(key, None)  # describe the library or the load call, not the model
-    return config
+def _cache_repo_id(path: Path) -> str | None:
+    """``org/name`` of a snapshot directory in the Hugging Face cache layout, else None."""
+    parts = path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return None
+
+
+def model_label(model: Any) -> str:
+    """A readable name for a loaded model: the built-in/GGUF name of a directory clusterlm built, ``org/name``
+    for a Hugging Face cache snapshot or a hub id, the directory's name, else the model type."""
+    net = _plain_model(model)
+    config = getattr(net, "config", None)
+    source = str(getattr(config, "_name_or_path", "") or "")
+    if source:
+        path = Path(source)
+        try:
+            return str(json.loads((path / _INFO).read_text(encoding="utf-8"))["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        repo = _cache_repo_id(path)
+        if repo is not None:
+            return repo
+        return path.name if path.is_dir() else source
+    return str(getattr(config, "model_type", "") or type(net).__name__)
+
+
+def compute_model_id(model: Any, name: str | None = None) -> str:
+    """The model id ``"<label>@<model_hash>"`` that plans record (``label`` = ``name`` or :func:`model_label`).
+
+    Raises:
+        ValueError: the weights are not materialised in this process (see :func:`model_hash`).
+    """
+    digest = model_hash(model)
+    if digest is None:
+        raise ValueError(
+            "compute_model_id: the model's weights are not materialised in this process (meta tensors or DeepSpeed "
+            "ZeRO-3 partitions); compute the id before partitioning, e.g. on the model from from_pretrained."
+        )
+    return f"{name or model_label(model)}@{digest}"
+
+
+def check_model_id(expected: str, model: Any, *, who: str, allow_other_model: bool = False) -> bool:
+    """Refuse to train ``model`` on a plan selected with another model.
+
+    Args:
+        expected: the plan's ``model_id``.
+        model: the model about to be trained.
+        who: the caller, for the message (e.g. ``"ClusterTrainer"``).
+        allow_other_model: train anyway (the check still runs; nothing is raised).
+
+    Returns:
+        True when both ids could be compared and agree (or ``allow_other_model``); False when the plan's id
+        carries no weights hash (e.g. ``""`` for a random plan) or the weights are not materialised here.
+
+    Raises:
+        ValueError: the hashes differ and ``allow_other_model`` is False; one line naming both ids and the fixes.
+    """
+    want = expected.rpartition("@")[2] if isinstance(expected, str) else ""
+    if not _HASH_HEX.fullmatch(want):
+        return False
+    got = model_hash(model)
+    if got is None:
+        return False
+    if got != want and not allow_other_model:
+        raise ValueError(
+            f"{who}: the plan was selected with model {expected}, but the model being trained is "
+            f"{model_label(model)}@{got} (other weights or config). Train the model the plan was made with, make a "
+            "new plan with this model (clusterlm select), or pass allow_other_model=True to train on it anyway."
+        )
+    return True
 
 
 def _build_once(out: Path, name: str, info: dict[str, Any], build: Callable[[Path], None]) -> Path:
@@ -158,7 +275,7 @@ def _build_once(out: Path, name: str, info: dict[str, Any], build: Callable[[Pat
             tmp.chmod(0o755)
             build(tmp)
             model = AutoModelForCausalLM.from_pretrained(str(tmp), local_files_only=True, dtype=torch.float32)
-            model_id = f"{name}@{_state_hash(model, _stable_config(model))}"
+            model_id = compute_model_id(model, name=name)
             del model
             record = {**info, "model_id": model_id}
             (tmp / _INFO).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -299,8 +416,6 @@ def convert_gguf(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]
     Raises:
         ValueError: ``gguf`` is not installed, or the file cannot be read as a causal LM.
     """
-    from clusterlm.demo import default_root
-
     gguf_path = Path(path).expanduser().resolve()
     try:
         import gguf  # noqa: F401
@@ -346,6 +461,53 @@ def _as_dtype(dtype: Any) -> torch.dtype | None:
     raise TypeError(f"load_model: dtype must be None, a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}.")
 
 
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache directory, read from the environment now: ``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``huggingface_hub``'s default (``~/.cache/huggingface/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot directory of hub model ``repo_id`` (offline: nothing is downloaded), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = Path(snapshot_download(repo_id, cache_dir=str(hf_hub_cache()), local_files_only=True))
+    except (HFValidationError, OSError, ValueError):
+        return None
+    return found if (found / "config.json").is_file() else None
+
+
+def _model_directory(name: str) -> Path:
+    """A local Hugging Face model directory, or the cached snapshot of hub id ``name``; else one-line errors."""
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    known = ", ".join(sorted([*BUILTIN_MODELS, *GGUF_MODELS]))
+    if path.exists():
+        why = "no config.json in it" if path.is_dir() else "not a directory"
+        raise ValueError(
+            f"load_model: spec={name!r} is neither a built-in model ({known}), a .gguf file, nor a local Hugging Face "
+            f"model directory ({why}). Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)."
+        )
+    snapshot = _cached_snapshot(name)
+    if snapshot is not None:
+        return snapshot
+    raise ValueError(
+        f"load_model: {name!r} is not a built-in model ({known}), a .gguf file or a local directory, and the Hugging "
+        f"Face cache {str(hf_hub_cache())!r} holds no snapshot of it (models are never downloaded here); fetch it "
+        f"once with `hf download {name}` (or point HF_HUB_CACHE / HF_HOME at the cache that has it), or pass a "
+        "directory written by save_pretrained."
+    )
+
+
 def load_model(
     spec: str | os.PathLike[str], *, dtype: Any = None, root: str | os.PathLike[str] | None = None
 ) -> tuple[Any, Any, str]:
@@ -353,19 +515,21 @@ def load_model(
 
     Args:
         spec: a name in :data:`BUILTIN_MODELS` (e.g. ``"tiny-llama"``) or :data:`GGUF_MODELS`
-            (``"smollm2-135m-instruct"``), a ``.gguf`` file, or a local Hugging Face model directory
-            (``config.json``, weights, tokenizer files).
+            (``"smollm2-135m-instruct"``), a ``.gguf`` file, a local Hugging Face model directory
+            (``config.json``, weights, tokenizer files), or a hub id (``"org/name"``) already in the local
+            Hugging Face cache (:func:`hf_hub_cache`; never downloaded).
         dtype: parameter dtype (``torch.float32``, ``torch.bfloat16`` or its name); None keeps the saved dtype.
         root: demo directory for the tiny built-ins (default :func:`clusterlm.demo.default_root`); GGUF files
             are converted into ``$CLUSTERLM_HOME/gguf`` (:func:`convert_gguf`).
 
     Returns:
         ``(model, tokenizer, model_id)``: the model in eval mode on CPU, the tokenizer (pad token set to
-        eos when it had none), and a stable identifier (see the module docstring).
+        eos when it had none), and :func:`compute_model_id` of the model (see the module docstring).
 
     Raises:
-        ValueError: ``spec`` is neither a built-in name nor a directory with ``config.json`` (the message
-            lists the built-in names), or the directory cannot be loaded.
+        ValueError: ``spec`` is neither a built-in name, a directory with ``config.json`` nor a cached hub
+            model (one line: the built-in names and the command that fetches a hub model), or the directory
+            cannot be loaded.
         TypeError: ``spec`` is not a string/path, or a bad ``dtype``.
     """
     if not isinstance(spec, (str, os.PathLike)):
@@ -376,7 +540,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = os.fspath(spec)
-    # Directories we built (built-ins, converted GGUF files) carry their model id in _INFO.
+    # Directories we built (built-ins, converted GGUF files) load without progress bars.
     built = name in BUILTIN_MODELS or name in GGUF_MODELS or name.lower().endswith(".gguf")
     if name in BUILTIN_MODELS:
         with _quiet_progress(True):
@@ -388,24 +552,7 @@ def load_model(
             raise ValueError(f"load_model: spec={name!r} names a GGUF file that does not exist.")
         path = convert_gguf(name)
     else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").is_file():
-            if not path.exists():
-                why = "no such directory"
-            else:
-                why = "no config.json in it" if path.is_dir() else "not a directory"
-            known = ", ".join(sorted([*BUILTIN_MODELS, *GGUF_MODELS]))
-            raise ValueError(
-                f"load_model: spec={name!r} is neither a built-in model ({known}), a .gguf file, nor a "
-                f"local Hugging Face model directory ({why}). Models are never downloaded: save one with "
-                "model.save_pretrained(dir) and tokenizer.save_pretrained(dir), then pass dir."
-            )
-        path = path.resolve()
-    if built:
-        model_id = json.loads((path / _INFO).read_text(encoding="utf-8"))["model_id"]
-    else:
-        config_hash = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
-        model_id = f"{path}@{config_hash}"
+        path = _model_directory(name)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
@@ -420,4 +567,4 @@ def load_model(
     if getattr(model.config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()
-    return model, tokenizer, model_id
+    return model, tokenizer, compute_model_id(model)

@@ -5,13 +5,16 @@ randomly initialised model every selection method mostly measures how fast the m
 frequencies. ``pretrain.txt`` (:mod:`clusterlm.demo`) is standard-library source from files that
 neither the train nor the held-out split uses, so the base model never saw the fine-tuning answers.
 
-The run: the ``"tiny-llama"`` architecture and initial weights (same config, seed 0), the demo
+The run: the ``"tiny-llama"`` architecture (:func:`tiny_llama_config`, owned here and used by
+:mod:`clusterlm.models` for the random-weight ``"tiny-llama"``) and initial weights (seed 0), the demo
 tokenizer, the text cut into blocks of ``block_size`` tokens each starting with ``<s>`` (so the model
 learns the position the fine-tuning examples start from), the last ``eval_fraction`` of the blocks
-held out; ``steps`` AdamW steps of ``batch_size`` blocks (peak ``lr``, linear warm-up then cosine decay,
-the trainer's :func:`clusterlm.train.lr_factor`; gradient clipping at 1) in one process with a fixed
-number of threads and a private RNG stream. :func:`build_tiny_llama_pretrained` writes the result as a
-``save_pretrained`` directory plus ``pretrain.json`` (losses before/after, settings, seconds);
+held out; ``steps`` AdamW steps of ``batch_size`` blocks (peak ``lr``, linear warm-up then cosine decay;
+gradient clipping at 1) in one process with a fixed number of threads and a private RNG stream. The
+optimizer (decay on matrices only), the schedule and the step are the trainer's (:mod:`clusterlm.engine`);
+the loss is the model's own causal-LM loss on whole blocks (every token is an answer here).
+:func:`build_tiny_llama_pretrained` writes the result as a ``save_pretrained`` directory plus
+``pretrain.json`` (losses before/after, settings, seconds);
 :func:`clusterlm.models.load_model` builds it once under the demo directory (a file lock, an atomic
 rename) and every later call, in any process, loads those files.
 """
@@ -27,11 +30,34 @@ import numpy as np
 import torch
 
 from clusterlm.demo import DemoData
+from clusterlm.engine import build_optimizer, build_scheduler, optimizer_step
 
-__all__ = ["PRETRAIN_DEFAULTS", "build", "build_tiny_llama_pretrained", "pretrain_causal_lm", "token_blocks"]
+__all__ = ["PRETRAIN_DEFAULTS", "build", "build_tiny_llama_pretrained", "pretrain_causal_lm", "tiny_llama_config",
+           "token_blocks"]
 
 PRETRAIN_DEFAULTS: dict[str, Any] = {"block_size": 256, "batch_size": 8, "steps": 200, "lr": 3e-3,
                                      "warmup_steps": 20, "eval_fraction": 0.05, "seed": 0, "threads": 2}
+
+
+def tiny_llama_config(vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int) -> Any:
+    """The ``LlamaConfig`` of ``"tiny-llama"`` (and of its pre-trained variant) for a tokenizer with these ids."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
 
 
 def token_blocks(token_ids: list[int] | np.ndarray, block_size: int, bos_id: int) -> np.ndarray:
@@ -90,19 +116,13 @@ def pretrain_causal_lm(
         ``{"train_blocks", "eval_blocks", "eval_loss_before", "eval_loss_after", "train_loss_first",
         "train_loss_last", "seconds"}``.
     """
-    from clusterlm.train import lr_factor
-
     t0 = time.perf_counter()
     n_eval = max(1, int(len(blocks) * eval_fraction)) if len(blocks) > 1 else 0
     train_blocks, eval_blocks = blocks[: len(blocks) - n_eval], blocks[len(blocks) - n_eval :]
     device = next(model.parameters()).device
     before = _mean_loss(model, eval_blocks, batch_size) if n_eval else float("nan")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup_steps, "cosine",
-                                                                                 0.1))
+    optimizer = build_optimizer(model, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    scheduler = build_scheduler(optimizer, total_steps=steps, warmup=warmup_steps, schedule="cosine", min_ratio=0.1)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x9E7]))
     order = rng.permutation(len(train_blocks))
     pos = 0
@@ -115,10 +135,7 @@ def pretrain_causal_lm(
         pos += batch_size
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizer, scheduler, max_grad_norm=1.0)
         losses.append(float(loss.detach()))
     after = _mean_loss(model, eval_blocks, batch_size) if n_eval else float("nan")
     model.eval()
@@ -143,8 +160,6 @@ def build_tiny_llama_pretrained(out_dir: Path, demo: DemoData, **overrides: Any)
         ValueError: an unknown setting.
     """
     from transformers import LlamaForCausalLM
-
-    from clusterlm.models import tiny_llama_config
 
     unknown = set(overrides) - set(PRETRAIN_DEFAULTS)
     if unknown:

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import cluster_kernels._collectives as coll
 import cluster_kernels.distributed as dist_mod
 from cluster_kernels import _backend, capacity_kmeans
 from cluster_kernels.distributed import DistributedKMeansResult, distributed_capacity_kmeans, shard_rows
+from cluster_kernels.kmeans import assign_ref
 
 N = 300  # divisible by every k below, so min_size = max_size = N / k is exact balance
 SPLITS = {2: [110, 190], 3: [60, 140, 100]}  # unequal shards, in rank order
@@ -76,7 +78,7 @@ def _worker(rank: int, init_file: str, data_dir: str) -> None:
                 full = np.load(os.path.join(data_dir, f"{CASES[name][0]}.npy"), mmap_mode="r")
                 k, kw = case_kwargs(name, np.asarray(full))
                 # A tiny gather limit forces the pivot narrowing of the distributed selection.
-                dist_mod.GATHER_LIMIT = CASES[name][4].get("gather_limit", 1 << 10)
+                coll.GATHER_LIMIT = CASES[name][4].get("gather_limit", 1 << 10)
                 res = distributed_capacity_kmeans(full[start:stop], k, group=group, **kw, **distributed_kwargs(name))
                 out[f"{name}/labels"] = res.labels
                 out[f"{name}/distances"] = res.distances
@@ -163,17 +165,29 @@ def test_gloo_ranks_give_the_single_process_labels(world, gloo_results, referenc
             assert f"first bad global row: {N - SPLITS[world][-1] + 2}" in str(r["error/nan"])
 
 
-def test_one_process_matches_the_reference_with_tiny_chunks_and_candidate_lists():
-    # k = 7 > 2 * n_candidates, so answers come from 2-entry lists, certified or recomputed ("refreshed").
+def test_one_process_matches_the_reference_with_tiny_chunks():
+    # Both bounds bind (the general auction runs) and 9-row chunks split every pass.
     x = blobs(280, d=5, seed=3)
     kw = {"max_size": 40, "min_size": 39, "n_init": 1, "max_iter": 15, "seed": 1}
     ref = capacity_kmeans(x, 7, backend="torch", **kw)
-    got = distributed_capacity_kmeans(x, 7, chunk_rows=9, n_candidates=2, init_sample_size=280, progress=False, **kw)
+    got = distributed_capacity_kmeans(x, 7, chunk_rows=9, init_sample_size=280, progress=False, **kw)
     assert isinstance(got, DistributedKMeansResult)
     np.testing.assert_array_equal(got.labels, ref.labels)
     np.testing.assert_allclose(got.centroids, ref.centroids, rtol=1e-10, atol=1e-10)
-    assert sum(got.stats["refreshed"]) > 0 and got.stats["n_candidates"] == 2
+    np.testing.assert_allclose(got.history, ref.history, rtol=1e-10)
+    assert got.n_iter == ref.n_iter and sum(got.stats["rounds"]) > 0
     assert got.offset == 0 and got.n_total == 280 and got.stats["world_size"] == 1
+
+
+def test_candidate_list_arguments_are_deprecated_and_change_nothing():
+    x = blobs(120, d=4, seed=6)
+    kw = {"max_size": 25, "max_iter": 6, "init_sample_size": 120, "progress": False}
+    plain = distributed_capacity_kmeans(x, 5, **kw)
+    with pytest.warns(DeprecationWarning, match="n_candidates has no effect"):
+        old = distributed_capacity_kmeans(x, 5, n_candidates=2, **kw)
+    with pytest.warns(DeprecationWarning, match="approx_distances has no effect"):
+        distributed_capacity_kmeans(x, 5, approx_distances=False, **kw)
+    np.testing.assert_array_equal(old.labels, plain.labels)
 
 
 def test_tensor_in_tensor_out_and_identical_to_numpy():
@@ -234,7 +248,7 @@ def test_allgather_rows_concatenates_blocks_of_any_length_in_rank_order(monkeypa
     np.testing.assert_array_equal(dist_mod.allgather_rows(torch.arange(4)), np.arange(4))  # no group: the block
     blocks = [np.arange(6, dtype=np.float32).reshape(3, 2), np.zeros((0, 2), np.float32), np.ones((2, 2), np.float32)]
     comms = threading.local()
-    monkeypatch.setattr(dist_mod, "_Comm", lambda group: comms.comm)
+    monkeypatch.setattr(coll, "Comm", lambda group: comms.comm)
 
     def gather(blocks: list[np.ndarray]):
         def rank_fn(r: int, comm: ThreadComm):
@@ -259,7 +273,7 @@ def test_shard_rows_split_contiguously_and_evenly():
 
 
 class ThreadComm:
-    """The collectives of ``cluster_kernels.distributed._Comm`` between threads (one per simulated rank)."""
+    """The collectives of ``cluster_kernels._collectives.Comm`` between threads (one per simulated rank)."""
 
     def __init__(self, rank: int, world: int, slots: list, barrier: threading.Barrier) -> None:
         self.rank, self.world, self.slots, self.barrier = rank, world, slots, barrier
@@ -317,7 +331,7 @@ def test_a_rank_without_rows_still_takes_part(monkeypatch):
     ref = capacity_kmeans(x, 3, backend="torch", **kw)
     split = [0, 90, 60]
     comms = threading.local()
-    monkeypatch.setattr(dist_mod, "_Comm", lambda group: comms.comm)
+    monkeypatch.setattr(coll, "Comm", lambda group: comms.comm)
 
     def rank_fn(r: int, comm: ThreadComm):
         comms.comm = comm
@@ -333,7 +347,7 @@ def test_a_rank_without_rows_still_takes_part(monkeypatch):
 
 @pytest.mark.parametrize("world, gather_limit", [(1, 1 << 15), (3, 1 << 15), (4, 5), (5, 1)])
 def test_distributed_selection_finds_the_global_tth_smallest(world, gather_limit, monkeypatch):
-    monkeypatch.setattr(dist_mod, "GATHER_LIMIT", gather_limit)
+    monkeypatch.setattr(coll, "GATHER_LIMIT", gather_limit)
     rng = np.random.default_rng(world)
     n, groups = 600, 6
     grp = rng.integers(0, groups, n)
@@ -341,7 +355,7 @@ def test_distributed_selection_finds_the_global_tth_smallest(world, gather_limit
     gid = rng.permutation(n).astype(np.int64)
     t = np.array([1, 7, 40, 200, 1000, 3], dtype=np.int64)  # group 4 has fewer than 1000 members
     owner = rng.integers(0, world, n)
-    results = run_threads(world, lambda r, comm: dist_mod._select(comm, grp[owner == r], val[owner == r],
+    results = run_threads(world, lambda r, comm: coll.select(comm, grp[owner == r], val[owner == r],
                                                                   gid[owner == r], t))
     for g in range(groups):
         members = np.nonzero(grp == g)[0]
@@ -349,3 +363,68 @@ def test_distributed_selection_finds_the_global_tth_smallest(world, gather_limit
         want = (val[order[t[g] - 1]], gid[order[t[g] - 1]]) if t[g] <= len(order) else (np.inf, np.iinfo(np.int64).max)
         for r in range(world):
             assert (results[r][0][g], results[r][1][g]) == want, (g, r)
+
+
+def _auction_instances(seed: int, count: int):
+    """Random (cost, lo, hi) of odd shapes: caps that bind, lower bounds that bind (the general auction), both."""
+    rng = np.random.default_rng(seed)
+    for case in range(count):
+        n, k = int(rng.integers(7, 160)), int(rng.integers(1, 8))
+        # Clusters of unequal appeal, so caps and lower bounds bind; continuous costs, so no ties.
+        cost = (rng.random((n, k)) + 2.0 * rng.random(k)) * rng.choice([1.0, 1e3])
+        hi = np.full(k, n, dtype=np.int64)
+        lo = np.zeros(k, dtype=np.int64)
+        if case % 3 != 1:
+            hi = rng.integers(math.ceil(n / k), math.ceil(1.6 * n / k) + 1, size=k)
+            hi[0] += max(0, n - int(hi.sum()))
+        if case % 3 != 0:
+            lo = np.minimum(rng.integers(0, n // k + 1, size=k), hi)
+        yield cost, lo.astype(np.int64), hi.astype(np.int64)
+
+
+@pytest.mark.skipif(not HAS_CPU, reason="cluster_kernels._C is not built")
+def test_native_auction_matches_the_reference_on_one_process():
+    native = _backend.native()
+    for cost, lo, hi in _auction_instances(0, 30):
+        ref, _, _ = assign_ref(torch.from_numpy(cost), lo, hi)
+        one = native.auction_block(cost, lo, hi, coll.AuctionComm(coll.Comm(None)), 0, len(cost))
+        labels, rounds, _ = native.auction_assign(cost, lo, hi)
+        np.testing.assert_array_equal(one["labels"], ref.numpy())
+        np.testing.assert_array_equal(one["labels"], labels)
+        assert one["rounds"] == rounds
+
+
+@pytest.mark.skipif(not HAS_CPU, reason="cluster_kernels._C is not built")
+@pytest.mark.parametrize("gather_limit", [1 << 10, 2])
+def test_native_auction_on_rows_split_over_ranks_takes_the_one_process_decisions(gather_limit, monkeypatch):
+    # Ranks are threads; the auction's collectives call back into Python (ThreadComm) without the GIL held.
+    monkeypatch.setattr(coll, "GATHER_LIMIT", gather_limit)
+    native = _backend.native()
+    for cost, lo, hi in _auction_instances(1, 18):
+        n = len(cost)
+        cut = sorted(np.random.default_rng(n).integers(0, n + 1, size=2).tolist())
+        bounds_ = [0, *cut, n]  # three ranks, possibly one without rows
+        one = native.auction_block(cost, lo, hi, coll.AuctionComm(coll.Comm(None)), 0, n)
+
+        def rank_fn(r: int, comm: ThreadComm, bounds_=bounds_, cost=cost, lo=lo, hi=hi):
+            s, e = bounds_[r], bounds_[r + 1]
+            return native.auction_block(np.ascontiguousarray(cost[s:e]), lo, hi, coll.AuctionComm(comm), s, len(cost))
+
+        parts = run_threads(3, rank_fn)
+        np.testing.assert_array_equal(np.concatenate([p["labels"] for p in parts]), one["labels"])
+        for p in parts:
+            assert p["rounds"] == one["rounds"] and p["used_general"] == one["used_general"]
+            np.testing.assert_array_equal(p["floor_prices"], one["floor_prices"])
+            np.testing.assert_array_equal(p["general_prices"], one["general_prices"])
+
+
+@pytest.mark.skipif(not HAS_CPU, reason="cluster_kernels._C is not built")
+def test_one_process_gives_the_labels_of_capacity_kmeans():
+    x = blobs(400, d=7, seed=8)
+    kw = {"max_size": 120, "n_init": 1, "max_iter": 12, "seed": 2, "init": x[[5, 50, 150, 250]] + 0.1}
+    got = distributed_capacity_kmeans(x, 4, chunk_rows=64, progress=False, **kw)
+    for backend in ("cpu", "torch"):
+        ref = capacity_kmeans(x, 4, backend=backend, **kw)
+        np.testing.assert_array_equal(got.labels, ref.labels, err_msg=backend)
+        assert got.n_iter == ref.n_iter
+        np.testing.assert_allclose(got.history, ref.history, rtol=1e-10)

@@ -69,7 +69,7 @@ def test_triton_kernel_matches_float64_definition(lengths, d_in, d_out, k_i, k_o
     ref = project_linear_grads_ref(x, g, cu, p_in, p_out, token_weights=w)
     out = torch.zeros(len(lengths), k_o, k_i)
     cu_host = plg.check_cu_seqlens("test", cu, x.shape[0])
-    got = plg._project_linear_grads_triton(x, g, cu_host, p_in, p_out, w, out, chunk_tokens=chunk)
+    got = plg.project_linear_grads_triton(x, g, cu_host, p_in, p_out, w, out, chunk_tokens=chunk)
     assert got is out
     assert rel_err(got, ref) <= 1e-5
 

@@ -36,7 +36,7 @@ def test_two_selection_processes_write_the_single_process_plan(demo, tmp_path):
 
 
 def test_nproc_flag_is_not_passed_to_the_ranks():
-    from clusterlm.cli import _select_argv_for_ranks
+    from clusterlm.launch import strip_options
 
     argv = ["--model", "m", "--nproc", "2", "--data", "d", "--nproc=3", "--out", "o"]
-    assert _select_argv_for_ranks(None, argv) == ["--model", "m", "--data", "d", "--out", "o"]
+    assert strip_options(argv, ("--nproc",)) == ["--model", "m", "--data", "d", "--out", "o"]

@@ -21,7 +21,10 @@ import numpy as np
 import pytest
 import torch
 
+from clusterlm import cli
 from clusterlm import train as T
+from clusterlm.engine import forward_backward, lr_factor, make_micro_batches
+from clusterlm.launch import torchrun_command
 
 MAX_LENGTH = 128
 N_TRAIN, N_HELDOUT = 160, 32
@@ -62,6 +65,11 @@ def env(demo, tmp_path_factory):
                                     fingerprint=data.fingerprint(), model_id="test", seed=0)
         plans[ws] = plan.save(root / f"plan{ws}")
     return SimpleNamespace(root=root, train=files["train"], heldout=files["heldout"], plans=plans, data=data)
+
+
+def _train(argv: list[str]) -> int:
+    """``clusterlm train ARGV`` in this process (what ``python -m clusterlm.train ARGV`` runs)."""
+    return cli.main(["train", *argv])
 
 
 def _argv(env, out: Path, plan: str | Path, *extra: str) -> list[str]:
@@ -163,7 +171,7 @@ def _descendants(pid: int) -> list[int]:
 def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_path):
     out = tmp_path / "killed"
     log = tmp_path / "killed.log"
-    cmd = T.torchrun_command(_two_rank_argv(env, out), 2)
+    cmd = torchrun_command(_two_rank_argv(env, out), 2)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -257,8 +265,8 @@ def _ddp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
     model = DDP(_tiny_model())
     idx = plan.indices(rank)
     # micro-batches of 4, 4, 2: accumulation with no_sync and a short last micro-batch
-    micro = T.make_micro_batches(examples, idx, plan.weights, 4, 0, torch.device("cpu"))
-    T.forward_backward(model, micro, n_step=len(idx))
+    micro = make_micro_batches(examples, idx, plan.weights, 4, 0, torch.device("cpu"))
+    forward_backward(model, micro, n_step=len(idx))
     grads = torch.cat([p.grad.flatten() for p in model.module.parameters()])
     torch.save(grads, Path(out_dir) / f"grad{rank}.pt")
     dist.destroy_process_group()
@@ -303,12 +311,12 @@ def test_ddp_gradient_is_cluster_size_weighted_mean(tmp_path):
 
 
 def test_world_size_mismatch_refused(env, tmp_path, capfd):
-    assert T.main(_argv(env, tmp_path / "a", env.plans[2])) == 2
+    assert _train(_argv(env, tmp_path / "a", env.plans[2])) == 2
     err = capfd.readouterr().err
     assert "world size 2" in err and "world size 1" in err and "--nproc 2" in err
     # the launcher refuses before starting any process
     t0 = time.perf_counter()
-    assert T.main(_argv(env, tmp_path / "b", env.plans[2], "--nproc", "3")) == 2
+    assert _train(_argv(env, tmp_path / "b", env.plans[2], "--nproc", "3")) == 2
     assert time.perf_counter() - t0 < 5
     err = capfd.readouterr().err
     assert "world size 2" in err and "world size 3" in err
@@ -324,7 +332,7 @@ def test_tampered_plan_and_changed_data_refused(env, tmp_path, capfd):
         arrays = {k: z[k] for k in z.files}
     arrays["rank_indices"] = arrays["rank_indices"][:, ::-1].copy()
     np.savez(bad / "plan.npz", **arrays)
-    assert T.main(_argv(env, tmp_path / "a", bad)) == 2
+    assert _train(_argv(env, tmp_path / "a", bad)) == 2
     assert "does not belong" in capfd.readouterr().err
 
     # data that differs from what the plan was made for (one answer edited)
@@ -336,7 +344,7 @@ def test_tampered_plan_and_changed_data_refused(env, tmp_path, capfd):
     changed.write_text("\n".join(lines) + "\n")
     argv = _argv(env, tmp_path / "b", env.plans[1])
     argv[argv.index("--data") + 1] = str(changed)
-    assert T.main(argv) == 2
+    assert _train(argv) == 2
     assert "content hash differs" in capfd.readouterr().err
     assert Plan.load(env.plans[1]).world_size == 1
 
@@ -354,7 +362,7 @@ def test_baseline_spec_lora_adafactor_and_resume_rules(env, tmp_path, capfd):
                  "8")
     argv.remove("--no-save-model")
     threads = torch.get_num_threads()
-    assert T.main(argv) == 0
+    assert _train(argv) == 0
     assert torch.get_num_threads() == threads  # process-wide settings restored
     from clusterlm.plan import Plan
 
@@ -366,14 +374,14 @@ def test_baseline_spec_lora_adafactor_and_resume_rules(env, tmp_path, capfd):
     assert (out / "model" / "adapter_config.json").is_file()
 
     capfd.readouterr()
-    assert T.main(argv) == 2  # an earlier run is there
+    assert _train(argv) == 2  # an earlier run is there
     assert "--resume" in capfd.readouterr().err
     other = [*argv, "--resume"]
     other[other.index("--max-steps") + 1] = "4"
     changed = [*other, "--micro-batch-size", "2"]
-    assert T.main(changed) == 2
+    assert _train(changed) == 2
     assert "micro_batch_size" in capfd.readouterr().err
-    assert T.main(other) == 0  # continue to step 4
+    assert _train(other) == 0  # continue to step 4
     assert [r["step"] for r in _records(out, "train")] == [1, 2, 3, 4]
 
 
@@ -383,26 +391,26 @@ def test_baseline_spec_lora_adafactor_and_resume_rules(env, tmp_path, capfd):
 
 
 def test_argv_round_trip_and_torchrun_commands():
-    parser = T.build_parser()
+    parser = cli.build_train_parser()
     argv = ["--plan", "p", "--model", "m", "--data", "d.jsonl", "--out", "o", "--nproc", "2", "--lr", "0.0003",
             "--resume", "--no-progress", "--lora-r", "8", "--bf16", "off", "--max-steps", "7"]
     args = parser.parse_args(argv)
-    assert parser.parse_args(T._to_argv(args)) == args
-    ranks = T._to_argv(args, for_ranks=True)
+    assert parser.parse_args(cli.train_argv(args)) == args
+    ranks = cli.train_argv(args, for_ranks=True)
     assert "--nproc" not in ranks and parser.parse_args(ranks).lr == 3e-4
 
-    cmd = T.torchrun_command(["--plan", "p"], 4)
+    cmd = torchrun_command(["--plan", "p"], 4)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "-m",
                        "clusterlm.train", "--plan", "p"]
-    cmd = T.torchrun_command([], 8, nnodes=2, rdzv_endpoint="node0:29500", rdzv_id="run1")
+    cmd = torchrun_command([], 8, nnodes=2, rdzv_endpoint="node0:29500", rdzv_id="run1")
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500"
     assert "--standalone" not in cmd and cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
     with pytest.raises(ValueError, match="rdzv-endpoint"):
-        T.torchrun_command([], 8, nnodes=2)
+        torchrun_command([], 8, nnodes=2)
 
 
 def test_lr_schedule():
-    f = T.lr_factor
+    f = lr_factor
     assert [f(s, 10, 2, "cosine", 0.0) for s in (0, 1)] == [0.5, 1.0]
     assert f(2, 10, 2, "cosine", 0.0) == pytest.approx(1.0)
     assert f(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)

@@ -1,11 +1,12 @@
-"""Shared machinery of the model-based baselines (S2L, IFD, LESS): batched per-example losses, a small
-single-process training loop with checkpoint callbacks, and building the final :class:`Plan`.
+"""Shared machinery of the model-based baselines (S2L, IFD, LESS): batched per-example losses and a small
+single-process training loop with checkpoint callbacks.
 
-One piece of code serves S2L's proxy training and LESS's LoRA warm-up: :func:`train_loop` reuses the
-reference trainer's optimizer (:func:`clusterlm.train.build_optimizer`, AdamW with decay on matrices
-only), schedule (:func:`clusterlm.train.lr_factor`) and step (:func:`clusterlm.train.forward_backward`
-with weight-1 micro-batches from :func:`clusterlm.train.make_micro_batches`), so the baselines train
-the way the trainer does, in one process.
+One loop serves S2L's proxy training and LESS's LoRA warm-up: :func:`train_loop` is built from the
+training engine the reference trainer uses (:mod:`clusterlm.engine`: :func:`~clusterlm.engine.build_optimizer`,
+AdamW with decay on matrices only; :func:`~clusterlm.engine.build_scheduler`; the step
+:func:`~clusterlm.engine.train_step` on weight-1 micro-batches from
+:func:`~clusterlm.engine.make_micro_batches`), so the baselines train the way the trainer does, in one
+process. Their plans are built by :mod:`clusterlm.baselines._plans`.
 
 :func:`example_losses` runs forwards only, on batches of examples of similar length (sorted by length,
 cut at ``batch_tokens`` padded tokens) so little compute goes to padding; the loss is
@@ -17,15 +18,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-from clusterlm.plan import Plan
+from clusterlm.data import collate
+from clusterlm.engine import build_optimizer, build_scheduler, make_micro_batches, train_step
+from clusterlm.loss import per_example_loss
 
-__all__ = ["budget_count", "example_losses", "length_batches", "make_plan", "pad_id_of", "stage", "train_loop"]
+__all__ = ["example_losses", "length_batches", "pad_id_of", "stage", "train_loop"]
 
 
 def pad_id_of(model: Any, pad_id: int | None) -> int:
@@ -77,9 +79,6 @@ def example_losses(
     Returns:
         (N,) float64 losses, in the order of ``examples``.
     """
-    from clusterlm.data import collate
-    from clusterlm.loss import per_example_loss
-
     pad = pad_id_of(model, pad_id)
     device = next(model.parameters()).device
     lengths = np.array([len(examples[i]["input_ids"]) for i in range(len(examples))], dtype=np.int64)
@@ -122,7 +121,7 @@ def train_loop(
 
     Every epoch visits ``indices`` in a fresh random order (seeded); one optimizer step per
     ``micro_batch_size`` examples; linear warm-up over ``warmup_ratio`` of the steps, then ``schedule``
-    decay to 0 (the trainer's :func:`clusterlm.train.lr_factor`).
+    decay to 0 (the trainer's schedule, :func:`clusterlm.engine.lr_factor`).
 
     Args:
         model: the model to train (its trainable parameters are optimised), on its device.
@@ -146,26 +145,20 @@ def train_loop(
     Raises:
         ValueError: empty ``indices`` or ``epochs < 1``.
     """
-    from clusterlm.train import build_optimizer, forward_backward, lr_factor, make_micro_batches
-
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0 or epochs < 1:
         raise ValueError(f"train_loop: need examples and epochs >= 1, got {len(indices)} examples, epochs={epochs}.")
     pad = pad_id_of(model, pad_id)
     device = next(model.parameters()).device
-    args = SimpleNamespace(lr=lr, weight_decay=weight_decay, optimizer="adamw", beta1=0.9, beta2=0.999)
-    optimizer = build_optimizer(model, args)
-    steps_per_epoch = -(-len(indices) // micro_batch_size)
-    total = epochs * steps_per_epoch
-    warmup = int(warmup_ratio * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, schedule, 0.0))
+    optimizer = build_optimizer(model, lr=lr, weight_decay=weight_decay)
+    total = epochs * -(-len(indices) // micro_batch_size)
+    scheduler = build_scheduler(optimizer, total_steps=total, warmup=int(warmup_ratio * total), schedule=schedule)
     ones = np.ones(int(max(indices.max() + 1, 1)), dtype=np.float64)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED7]))
     marks = set(int(s) for s in checkpoint_steps)
     losses: list[float] = []
     lrs: list[float] = []
     since: list[float] = []
-    step = 0
     model.train()
     with torch.random.fork_rng(devices=[]):  # dropout stream: seeded, caller's RNG untouched
         torch.manual_seed(seed)
@@ -174,22 +167,16 @@ def train_loop(
             for s in range(0, len(order), micro_batch_size):
                 idx = order[s : s + micro_batch_size]
                 micro = make_micro_batches(examples, idx, ones, micro_batch_size, pad, device)
-                stats = forward_backward(model, micro, n_step=len(idx), autocast_dtype=autocast_dtype)
-                if max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-                lr_now = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
+                stats = train_step(model, optimizer, scheduler, micro, n_step=len(idx), max_grad_norm=max_grad_norm,
+                                   autocast_dtype=autocast_dtype)
                 losses.append(stats["loss"])
-                lrs.append(lr_now)
-                since.append(lr_now)
-                if step in marks and on_checkpoint is not None:
-                    on_checkpoint(step, float(np.mean(since)), optimizer)
+                lrs.append(stats["lr"])
+                since.append(stats["lr"])
+                if len(losses) in marks and on_checkpoint is not None:
+                    on_checkpoint(len(losses), float(np.mean(since)), optimizer)
                     since = []
     model.eval()
-    return {"steps": step, "optimizer": optimizer, "losses": losses, "lrs": lrs}
+    return {"steps": len(losses), "optimizer": optimizer, "losses": losses, "lrs": lrs}
 
 
 @contextlib.contextmanager
@@ -202,63 +189,3 @@ def stage(timings: dict[str, float], name: str) -> Iterator[None]:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-
-
-def budget_count(n: int, world_size: int, ratio: float | None, budget: int | None, who: str) -> tuple[int, dict]:
-    """The number to select (rounded down to a multiple of ``world_size``) and the rounding statistics.
-
-    Raises:
-        ValueError: bad ratio/budget (same rules as :func:`clusterlm.select.resolve_budget`), or fewer than
-            one example per rank.
-    """
-    from clusterlm.baselines.random import _check_world_size
-    from clusterlm.select import resolve_budget
-
-    _check_world_size(world_size, n, who)
-    try:
-        requested = resolve_budget(n, ratio, budget)
-    except ValueError as e:
-        raise ValueError(str(e).replace("select:", f"{who}:", 1)) from None
-    count = requested - requested % world_size
-    if count == 0:
-        raise ValueError(
-            f"{who}: a budget of {requested} examples gives less than one example to each of {world_size} ranks; "
-            f"raise ratio/budget to at least {world_size}."
-        )
-    stats: dict[str, Any] = {"requested": int(requested)}
-    if count != requested:
-        stats["rounding"] = (
-            f"{requested} requested -> {count} selected (the total is a multiple of world_size = {world_size})"
-        )
-    return count, stats
-
-
-def make_plan(
-    dataset: Any,
-    selected: np.ndarray,
-    world_size: int,
-    *,
-    seed: int,
-    config: dict[str, Any],
-    stats: dict[str, Any],
-    timings: dict[str, float],
-    t0: float,
-    model_id: str,
-    token_balance: bool = True,
-) -> Plan:
-    """The :class:`Plan` of a baseline's selection: weight 1 each, stratified over ranks.
-
-    Reuses the random baseline's plan builder (:func:`clusterlm.baselines.random._plan_from_selection`, a
-    private helper of this package): one pseudo-cluster, :func:`clusterlm.allocation.allocate` with
-    ``"stratified"`` and the token-balanced visit order, so every baseline trains with the same per-step
-    token balance. ``timings`` (the stages) are recorded with ``"total"`` = wall time since ``t0``
-    (everything: proxy training / warm-up / forwards / clustering).
-    """
-    from clusterlm.baselines.random import _plan_from_selection
-
-    selected = np.sort(np.asarray(selected, dtype=np.int64))
-    assert len(np.unique(selected)) == len(selected) and len(selected) % world_size == 0
-    plan = _plan_from_selection(dataset, selected, world_size, seed=seed, token_balance=token_balance,
-                                config=config, stats=stats, t0=t0, model_id=model_id)
-    plan.timings = {**{k: float(v) for k, v in timings.items()}, "total": time.perf_counter() - t0}
-    return plan

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
-from clusterlm.baselines._training import budget_count, example_losses, make_plan, stage
+from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._training import example_losses, stage
 from clusterlm.plan import Plan
 
 __all__ = ["answer_only", "ifd_plan", "ifd_select"]

@@ -44,7 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterlm.baselines._training import budget_count, length_batches, make_plan, pad_id_of, stage, train_loop
+from cluster_kernels.project_linear_grads import segment_outer_sum
+from cluster_kernels.projection import random_projection
+from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._training import length_batches, pad_id_of, stage, train_loop
+from clusterlm.data import collate
+from clusterlm.loss import per_example_loss
 from clusterlm.plan import Plan
 
 __all__ = [
@@ -144,11 +149,6 @@ def lora_gradient_features(
     Returns:
         (N, dim) float32, unit rows (zero rows stay zero).
     """
-    from cluster_kernels.project_linear_grads import segment_outer_sum
-    from cluster_kernels.projection import random_projection
-    from clusterlm.data import collate
-    from clusterlm.loss import per_example_loss
-
     params = lora_params(peft_model)
     if not params:
         raise ValueError("less: the model has no LoRA layers; build it with lora_model().")

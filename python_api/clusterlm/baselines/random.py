@@ -16,7 +16,8 @@ order of decreasing length (:func:`clusterlm.allocation.allocate` with ``"strati
 length-quantile-aligned order (:func:`clusterlm.allocation.visit_order`), exactly like a CluSTER plan,
 so a comparison differs only in *which* examples are trained on, not in per-step token balance. With
 ``token_balance=False`` the sample is split like a ``DistributedSampler`` would: one random
-permutation cut into K contiguous parts, each visited in its own random order.
+permutation cut into K contiguous parts, each visited in its own random order. The allocation and the
+argument checks are every baseline's (:mod:`clusterlm.baselines._plans`).
 """
 
 from __future__ import annotations
@@ -26,74 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.allocation import allocate, visit_order
-from clusterlm.plan import Plan, selection_weights
-from clusterlm.select import _balance_stats, _fingerprint_of, _lengths_of
+from clusterlm.baselines._plans import STREAM_RANDOM, budget_count, check_seed, check_world_size, plan_from_selection
+from clusterlm.plan import Plan
 
 __all__ = ["full_plan", "random_plan"]
 
-# Mixed into the seed so the baselines' draws are not the same stream as other seed-0 generators.
-_STREAM_RANDOM = 0x7A4D0
+# Mixed into the seed: the full baseline's left-out draw is a stream of its own.
 _STREAM_FULL = 0xF011
-
-
-def _check_world_size(world_size: Any, n: int, who: str) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ValueError(f"{who}: world_size must be a positive int (number of ranks), got {world_size!r}.")
-    if n < world_size:
-        raise ValueError(
-            f"{who}: the data set has {n} examples, fewer than world_size={world_size}; every rank needs at least one. "
-            "Use fewer ranks or more data."
-        )
-    return int(world_size)
-
-
-def _check_seed(seed: Any, who: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"{who}: seed must be a non-negative int, got {seed!r}.")
-    return int(seed)
-
-
-def _plan_from_selection(
-    dataset: Any,
-    selected: np.ndarray,
-    world_size: int,
-    *,
-    seed: int,
-    token_balance: bool,
-    config: dict[str, Any],
-    stats: dict[str, Any],
-    t0: float,
-    model_id: str,
-) -> Plan:
-    """Allocate ``selected`` (sorted, a multiple of ``world_size`` long) to ranks and build the Plan."""
-    lengths = _lengths_of(dataset)
-    n = len(lengths)
-    assert len(selected) % world_size == 0 and len(selected) > 0
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_RANDOM, 1]))
-    if token_balance:
-        rank_lists = allocate([selected], world_size, lengths, allocation="stratified")
-    else:
-        rank_lists = list(rng.permutation(selected).reshape(world_size, -1))
-    rank_lists = visit_order(rank_lists, lengths, token_balance=token_balance, seed=seed)
-    weights = selection_weights(np.zeros(n, dtype=np.int64), selected, 1)
-    stats = {**stats, "selected": int(len(selected)), "token_balance": _balance_stats(rank_lists, lengths)}
-    config = {**config, "world_size": world_size, "seed": seed, "token_balance": bool(token_balance),
-              "allocation": "stratified" if token_balance else "random-split"}
-    return Plan(
-        world_size=world_size,
-        rank_indices=rank_lists,
-        weights=weights,
-        cluster_labels=np.full(n, -1, dtype=np.int64),
-        distances=np.full(n, np.nan, dtype=np.float64),
-        cluster_sizes=np.zeros(0, dtype=np.int64),
-        lengths=lengths,
-        fingerprint=_fingerprint_of(dataset),
-        model_id=model_id,
-        config=config,
-        timings={"total": time.perf_counter() - t0},
-        stats=stats,
-    )
 
 
 def full_plan(dataset: Any, world_size: int, *, seed: int = 0, token_balance: bool = True, model_id: str = "") -> Plan:
@@ -116,8 +56,8 @@ def full_plan(dataset: Any, world_size: int, *, seed: int = 0, token_balance: bo
     """
     t0 = time.perf_counter()
     n = len(dataset)
-    world_size = _check_world_size(world_size, n, "full_plan")
-    seed = _check_seed(seed, "full_plan")
+    world_size = check_world_size(world_size, n, "full_plan")
+    seed = check_seed(seed, "full_plan")
     n_left = n % world_size
     rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_FULL]))
     left_out = np.sort(rng.choice(n, size=n_left, replace=False)).astype(np.int64) if n_left else np.zeros(0, np.int64)
@@ -134,7 +74,7 @@ def full_plan(dataset: Any, world_size: int, *, seed: int = 0, token_balance: bo
     }
     if n_left:
         stats["rounding"] = stats["left_out"]["reason"]
-    return _plan_from_selection(
+    return plan_from_selection(
         dataset, np.flatnonzero(keep).astype(np.int64), world_size, seed=seed, token_balance=token_balance,
         config={"method": "full", "ratio": 1.0, "budget": None}, stats=stats, t0=t0, model_id=model_id,
     )
@@ -170,14 +110,12 @@ def random_plan(
     """
     t0 = time.perf_counter()
     n = len(dataset)
-    from clusterlm.baselines._training import budget_count
-
-    world_size = _check_world_size(world_size, n, "random_plan")
-    seed = _check_seed(seed, "random_plan")
+    world_size = check_world_size(world_size, n, "random_plan")
+    seed = check_seed(seed, "random_plan")
     count, stats = budget_count(n, world_size, ratio, budget, "random_plan")
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_RANDOM]))
+    rng = np.random.default_rng(np.random.SeedSequence([seed, STREAM_RANDOM]))
     selected = np.sort(rng.choice(n, size=count, replace=False)).astype(np.int64)
-    return _plan_from_selection(
+    return plan_from_selection(
         dataset, selected, world_size, seed=seed, token_balance=token_balance,
         config={"method": "random", "ratio": None if ratio is None else float(ratio),
                 "budget": None if budget is None else int(budget)},

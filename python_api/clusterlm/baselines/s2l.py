@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterlm.baselines._training import budget_count, example_losses, make_plan, stage, train_loop
+from cluster_kernels import capacity_kmeans
+from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._training import example_losses, stage, train_loop
 from clusterlm.plan import Plan
 
 __all__ = ["balanced_cluster_sample", "build_proxy", "s2l_plan"]
@@ -168,8 +170,6 @@ def s2l_plan(
     Raises:
         ValueError: bad budget / world size / proxy_layers, or ``trajectories`` of the wrong shape.
     """
-    from cluster_kernels import capacity_kmeans
-
     t0 = time.perf_counter()
     n = len(dataset)
     count, stats = budget_count(n, world_size, ratio, budget, "s2l_plan")

@@ -36,13 +36,18 @@ What it changes in ``Trainer``:
   (DDP averages gradients over ranks). With the plan's weights this estimates the full-data objective
   ``sum_c (n_c / N) * mean loss of cluster c``. The logged ``loss`` is this quantity averaged over
   the logging interval.
-- Before training: the plan's world size must equal ``args.world_size`` and ``plan.verify`` must
-  accept ``train_dataset`` (same size and content hash), else ``ValueError``.
+- Before training: the plan's world size must equal ``args.world_size``, ``plan.verify`` must accept
+  ``train_dataset`` (same size and content hash), and the plan's ``model_id`` must name the model being
+  trained (:func:`clusterlm.models.check_model_id`: same weights and config, however the model was loaded;
+  ``allow_other_model=True`` trains on another model anyway), else ``ValueError``.
 - Evaluation is unchanged (items without ``plan_weight`` go through ``Trainer.compute_loss``).
 
 Resuming (``train(resume_from_checkpoint=...)``) works through the Trainer's own batch skipping: an
 epoch's order depends only on the seed and the epoch. A plan selected at train begin is reused from
 ``plan_dir`` when resuming, so a resumed run trains on the same plan.
+
+The plan mechanisms (obtaining, checking, per-rank loader, weights through the column filter) live in
+:class:`PlanTrainerMixin`, which :class:`clusterlm.integrations.trl.ClusterSFTTrainer` shares.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ from transformers.utils import logging
 
 from clusterlm.data import collate
 from clusterlm.loss import per_example_loss, weighted_loss
+from clusterlm.models import check_model_id, compute_model_id
 from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
 from clusterlm.select import select
 
-__all__ = ["WEIGHT_KEY", "ClusterTrainer", "PlanCollator", "PlanWeightedDataset"]
+__all__ = ["WEIGHT_KEY", "ClusterTrainer", "PlanCollator", "PlanTrainerMixin", "PlanWeightedDataset",
+           "check_plan_arguments", "unshard_dataloader"]
 
 logger = logging.get_logger(__name__)
 
@@ -156,13 +163,17 @@ class PlanCollator:
         return batch
 
 
-def _unshard(dataloader: Any) -> None:
-    """Make Accelerate's per-process batch sharding a pass-through: the PlanSampler is already per rank."""
+def unshard_dataloader(dataloader: Any, who: str = "ClusterTrainer") -> None:
+    """Make Accelerate's per-process batch sharding a pass-through: the PlanSampler is already per rank.
+
+    Raises:
+        ValueError: the loader is Accelerate's dispatcher (rank 0 reads every batch and sends slices).
+    """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
 
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(
-            "ClusterTrainer: Accelerate's dispatch_batches mode (rank 0 reads and sends every batch) cannot give "
+            f"{who}: Accelerate's dispatch_batches mode (rank 0 reads and sends every batch) cannot give "
             "each rank its own plan examples; set TrainingArguments(accelerator_config={'dispatch_batches': False})."
         )
     for attr in ("batch_sampler", "sampler"):
@@ -175,78 +186,79 @@ def _unshard(dataloader: Any) -> None:
             shard.even_batches = False
 
 
-class ClusterTrainer(Trainer):
-    """``transformers.Trainer`` training every rank on its plan examples with plan weights (module docstring).
-
-    Args:
-        *args, **kwargs: as for ``transformers.Trainer``; ``train_dataset`` must be the data set the plan
-            was made for (an :class:`clusterlm.data.SFTDataset` or a sequence of example dicts).
-        plan: the :class:`~clusterlm.plan.Plan` to train on.
-        plan_dir: where a plan is read from when neither ``plan`` nor ``select_kwargs`` is given, and where
-            a plan selected at train begin is saved (default ``args.output_dir/plan``).
-        select_kwargs: keyword arguments of :func:`clusterlm.select.select` (``ratio`` or ``budget``,
-            ``preset``, ...): the plan is selected at the start of :meth:`train` on rank 0 with the
-            trainer's model and ``train_dataset``, saved to ``plan_dir``, and loaded by the other ranks.
-            ``world_size`` is taken from ``args``.
+def check_plan_arguments(who: str, plan: Any, select_kwargs: Any) -> None:
+    """The constructor checks of a plan trainer: a Plan or select_kwargs (a dict without return_features), not both.
 
     Raises:
         TypeError: plan is not a Plan, select_kwargs not a dict.
-        ValueError: both plan and select_kwargs, a plan for another world size, label smoothing or a
-            ``compute_loss_func`` (the loss is the plan-weighted loss).
+        ValueError: both given, or select_kwargs asks for return_features.
+    """
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"{who}: plan must be a clusterlm.plan.Plan, got {type(plan).__name__}.")
+    if plan is not None and select_kwargs is not None:
+        raise ValueError(f"{who}: pass either plan= (a finished plan) or select_kwargs= (select at train begin), not "
+                         "both.")
+    if select_kwargs is not None and not isinstance(select_kwargs, Mapping):
+        raise TypeError(f"{who}: select_kwargs must be a dict of clusterlm.select.select arguments, got "
+                        f"{type(select_kwargs).__name__}.")
+    if select_kwargs is not None and select_kwargs.get("return_features"):
+        raise ValueError(f"{who}: select_kwargs may not set return_features; the trainer needs the plan only.")
+
+
+class PlanTrainerMixin:
+    """The plan side of a ``transformers.Trainer`` subclass: put it before the Trainer class in the bases.
+
+    Provides obtaining the plan (given, loaded from ``plan_dir`` or selected on rank 0 at train begin), the
+    checks before training (world size, data fingerprint, model id), the per-rank :class:`PlanSampler` loader
+    with Accelerate's re-sharding switched off, the weight kept through the column filter, and ``train``.
+    The subclass calls :meth:`setup_plan` at the end of its ``__init__`` and computes the loss itself.
+    :meth:`plan_examples` is what the plan indexes (default ``train_dataset``).
     """
 
     # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
+    plan_trainer_name = "ClusterTrainer"
 
-    def __init__(self, *args: Any, plan: Plan | None = None, plan_dir: str | os.PathLike | None = None,
-                 select_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        if plan is not None and not isinstance(plan, Plan):
-            raise TypeError(f"ClusterTrainer: plan must be a clusterlm.plan.Plan, got {type(plan).__name__}.")
-        if plan is not None and select_kwargs is not None:
-            raise ValueError("ClusterTrainer: pass either plan= (a finished plan) or select_kwargs= (select at train "
-                             "begin), not both.")
-        if select_kwargs is not None and not isinstance(select_kwargs, Mapping):
-            raise TypeError(f"ClusterTrainer: select_kwargs must be a dict of clusterlm.select.select arguments, got "
-                            f"{type(select_kwargs).__name__}.")
-        if select_kwargs is not None and select_kwargs.get("return_features"):
-            raise ValueError("ClusterTrainer: select_kwargs may not set return_features; the trainer needs the plan "
-                             "only.")
-        bound = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
-        processing_class = bound.get("processing_class")
-        pad_id = getattr(processing_class, "pad_token_id", None)
-        collator = PlanCollator(bound.get("data_collator"), pad_id=0 if pad_id is None else pad_id)
-        if len(args) >= 3:
-            args = (*args[:2], collator, *args[3:])
-        else:
-            kwargs["data_collator"] = collator
-        super().__init__(*args, **kwargs)
+    def setup_plan(self, plan: Plan | None, plan_dir: str | os.PathLike | None,
+                   select_kwargs: Mapping[str, Any] | None, allow_other_model: bool = False) -> None:
+        """Store the plan settings and check what the Trainer was given (called after ``Trainer.__init__``).
+
+        Raises:
+            ValueError: label smoothing, a ``compute_loss_func``, or a plan for another world size.
+        """
+        who = self.plan_trainer_name
         if self.args.label_smoothing_factor:
             raise ValueError(
-                f"ClusterTrainer: label_smoothing_factor={self.args.label_smoothing_factor} is not supported; the "
+                f"{who}: label_smoothing_factor={self.args.label_smoothing_factor} is not supported; the "
                 "loss is the plan-weighted per-example cross entropy. Set it to 0."
             )
         if self.compute_loss_func is not None:
-            raise ValueError("ClusterTrainer: compute_loss_func cannot be combined with the plan-weighted loss.")
+            raise ValueError(f"{who}: compute_loss_func cannot be combined with the plan-weighted loss.")
         # The weighted loss needs no token count: skip the Trainer's per-step count (and its all-gather).
         self.model_accepts_loss_kwargs = False
         self.plan = plan
         self.plan_dir = Path(plan_dir) if plan_dir is not None else Path(self.args.output_dir) / "plan"
         self.select_kwargs = dict(select_kwargs) if select_kwargs is not None else None
+        self.allow_other_model = bool(allow_other_model)
         self._plan_sampler: PlanSampler | None = None
         if plan is not None:
             self._check_world_size(plan)
         if self.args.train_sampling_strategy != "random":
             logger.warning(
-                f"ClusterTrainer: train_sampling_strategy={self.args.train_sampling_strategy!r} is ignored; the plan "
+                f"{who}: train_sampling_strategy={self.args.train_sampling_strategy!r} is ignored; the plan "
                 "decides which examples each rank visits and in which order."
             )
 
     # ---- plan ---------------------------------------------------------------------------------------
 
+    def plan_examples(self) -> Any:
+        """The examples the plan indexes and fingerprints (``train_dataset``; subclasses may convert it)."""
+        return self.train_dataset
+
     def _check_world_size(self, plan: Plan) -> None:
         if plan.world_size != self.args.world_size:
             raise ValueError(
-                f"ClusterTrainer: the plan is for world size {plan.world_size}, but this run has "
+                f"{self.plan_trainer_name}: the plan is for world size {plan.world_size}, but this run has "
                 f"args.world_size={self.args.world_size} processes; launch {plan.world_size} processes "
                 f"(torchrun --nproc-per-node {plan.world_size}) or make a plan with world_size={self.args.world_size}."
             )
@@ -256,14 +268,15 @@ class ClusterTrainer(Trainer):
         given = kwargs.pop("world_size", self.args.world_size)
         if given != self.args.world_size:
             raise ValueError(
-                f"ClusterTrainer: select_kwargs['world_size']={given} differs from args.world_size="
+                f"{self.plan_trainer_name}: select_kwargs['world_size']={given} differs from args.world_size="
                 f"{self.args.world_size}; leave it out (the trainer sets it)."
             )
         kwargs.setdefault("progress", not self.args.disable_tqdm)
         model = self.accelerator.unwrap_model(self.model)
+        kwargs.setdefault("model_id", compute_model_id(model))
         was_training = model.training
         try:
-            return select(model, self.train_dataset, world_size=self.args.world_size, **kwargs)
+            return select(model, self.plan_examples(), world_size=self.args.world_size, **kwargs)
         finally:
             model.train(was_training)
 
@@ -272,8 +285,8 @@ class ClusterTrainer(Trainer):
         if self.select_kwargs is None:
             if not saved:
                 raise ValueError(
-                    f"ClusterTrainer: no plan: pass plan=Plan.load(dir), plan_dir= a directory holding a saved plan "
-                    f"(found no plan.json in {self.plan_dir}), or select_kwargs= to select at train begin."
+                    f"{self.plan_trainer_name}: no plan: pass plan=Plan.load(dir), plan_dir= a directory holding a "
+                    f"saved plan (found no plan.json in {self.plan_dir}), or select_kwargs= to select at train begin."
                 )
             return Plan.load(self.plan_dir)
         reuse = resuming and saved
@@ -288,7 +301,7 @@ class ClusterTrainer(Trainer):
         return plan
 
     def prepare_plan(self, resuming: bool = False) -> Plan:
-        """Obtain the plan (given, loaded or selected), then check world size and data fingerprint.
+        """Obtain the plan (given, loaded or selected), then check world size, data fingerprint and model id.
 
         Called by :meth:`train`; call it yourself to inspect the plan before training.
 
@@ -299,14 +312,21 @@ class ClusterTrainer(Trainer):
             The plan (also ``self.plan``).
 
         Raises:
-            ValueError: no train_dataset, no plan available, a plan for another world size or data set.
+            ValueError: no train_dataset, no plan available, a plan for another world size, data set or model
+                (unless ``allow_other_model``).
         """
         if self.train_dataset is None:
-            raise ValueError("ClusterTrainer: training needs train_dataset (the data set the plan was made for).")
+            raise ValueError(f"{self.plan_trainer_name}: training needs train_dataset (the data set the plan was made "
+                             "for).")
         if self.plan is None:
             self.plan = self._obtain_plan(resuming)
         self._check_world_size(self.plan)
-        self.plan.verify(self.train_dataset)
+        self.plan.verify(self.plan_examples())
+        model = self.accelerator.unwrap_model(self.model)
+        if not check_model_id(self.plan.model_id, model, who=self.plan_trainer_name,
+                              allow_other_model=self.allow_other_model) and self.plan.model_id:
+            logger.warning(f"{self.plan_trainer_name}: the plan's model_id {self.plan.model_id!r} carries no weights "
+                           "hash, so the model it was selected with cannot be checked.")
         return self.plan
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -320,7 +340,8 @@ class ClusterTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset: Any = None) -> PlanSampler:
         if self.plan is None:
-            raise ValueError("ClusterTrainer: no plan yet; call train() or prepare_plan() first, or pass plan=.")
+            raise ValueError(f"{self.plan_trainer_name}: no plan yet; call train() or prepare_plan() first, or pass "
+                             "plan=.")
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         self._plan_sampler = PlanSampler(self.plan, rank=self.args.process_index, seed=seed)
         return self._plan_sampler
@@ -332,9 +353,11 @@ class ClusterTrainer(Trainer):
             ValueError: no plan or no train_dataset yet; Accelerate configured with dispatch_batches.
         """
         if self.plan is None:
-            raise ValueError("ClusterTrainer: no plan yet; call train() or prepare_plan() first, or pass plan=.")
+            raise ValueError(f"{self.plan_trainer_name}: no plan yet; call train() or prepare_plan() first, or pass "
+                             "plan=.")
         if self.train_dataset is None:
-            raise ValueError("ClusterTrainer: training needs train_dataset (the data set the plan was made for).")
+            raise ValueError(f"{self.plan_trainer_name}: training needs train_dataset (the data set the plan was made "
+                             "for).")
         original = self.train_dataset
         wrapped = PlanWeightedDataset(original, self.plan.weights)
         self.train_dataset = wrapped
@@ -343,7 +366,7 @@ class ClusterTrainer(Trainer):
         finally:
             self.train_dataset = original
         wrapped.sampler = self._plan_sampler
-        _unshard(loader)
+        unshard_dataloader(loader, self.plan_trainer_name)
         return loader
 
     def num_examples(self, dataloader: Any) -> int:
@@ -357,6 +380,44 @@ class ClusterTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         if WEIGHT_KEY not in self._signature_columns:
             self._signature_columns.append(WEIGHT_KEY)
+
+
+class ClusterTrainer(PlanTrainerMixin, Trainer):
+    """``transformers.Trainer`` training every rank on its plan examples with plan weights (module docstring).
+
+    Args:
+        *args, **kwargs: as for ``transformers.Trainer``; ``train_dataset`` must be the data set the plan
+            was made for (an :class:`clusterlm.data.SFTDataset` or a sequence of example dicts).
+        plan: the :class:`~clusterlm.plan.Plan` to train on.
+        plan_dir: where a plan is read from when neither ``plan`` nor ``select_kwargs`` is given, and where
+            a plan selected at train begin is saved (default ``args.output_dir/plan``).
+        select_kwargs: keyword arguments of :func:`clusterlm.select.select` (``ratio`` or ``budget``,
+            ``preset``, ...): the plan is selected at the start of :meth:`train` on rank 0 with the
+            trainer's model and ``train_dataset``, saved to ``plan_dir``, and loaded by the other ranks.
+            ``world_size`` is taken from ``args``; ``model_id`` defaults to
+            :func:`clusterlm.models.compute_model_id` of the model.
+        allow_other_model: train even when the plan's ``model_id`` names another model.
+
+    Raises:
+        TypeError: plan is not a Plan, select_kwargs not a dict.
+        ValueError: both plan and select_kwargs, a plan for another world size, label smoothing or a
+            ``compute_loss_func`` (the loss is the plan-weighted loss).
+    """
+
+    def __init__(self, *args: Any, plan: Plan | None = None, plan_dir: str | os.PathLike | None = None,
+                 select_kwargs: Mapping[str, Any] | None = None, allow_other_model: bool = False,
+                 **kwargs: Any) -> None:
+        check_plan_arguments(self.plan_trainer_name, plan, select_kwargs)
+        bound = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
+        processing_class = bound.get("processing_class")
+        pad_id = getattr(processing_class, "pad_token_id", None)
+        collator = PlanCollator(bound.get("data_collator"), pad_id=0 if pad_id is None else pad_id)
+        if len(args) >= 3:
+            args = (*args[:2], collator, *args[3:])
+        else:
+            kwargs["data_collator"] = collator
+        super().__init__(*args, **kwargs)
+        self.setup_plan(plan, plan_dir, select_kwargs, allow_other_model)
 
     # ---- loss ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,628 @@
+// The eviction auction on a float64 cost block (auction.h): the floor auction (upper bounds only) and the
+// general one (mandatory/optional objects and dummy units), written once for one process and for one rank
+// of many. See cluster_kernels/kmeans.py (module docstring) for the algorithm; this is the native port of
+// its float64 reference (_floor_auction_ref, _dummy_auction_ref, assign_ref).
+#include "cpu/auction.h"
+
+#include "cpu/auction_objects.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace cluster_kernels {
+
+namespace {
+
+using auction::cheapest_dummy_object;
+using auction::EpsSchedule;
+using auction::Objects;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
+
+// This rank's part of the problem: its cost rows and how to reach the others.
+struct Block {
+  const double* D;
+  int64_t n, k;
+  Collective& comm;
+  int64_t offset, n_total;
+};
+
+// Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
+inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }
+
+std::vector<int64_t> count_objects(const int32_t* obj, int64_t n, int64_t m) {
+  std::vector<int64_t> counts(m, 0);
+#pragma omp parallel
+  {
+    std::vector<int64_t> local(m, 0);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; ++i) ++local[obj[i]];
+#pragma omp critical
+    for (int64_t o = 0; o < m; ++o) counts[o] += local[o];  // integers: order does not matter
+  }
+  return counts;
+}
+
+// Units of each object over all ranks.
+std::vector<int64_t> global_counts(const Block& b, const int32_t* obj, int64_t m) {
+  std::vector<int64_t> counts = count_objects(obj, b.n, m);
+  b.comm.sum(counts);
+  return counts;
+}
+
+// Cheapest cluster for a cost row Di other than `exclude` (the lowest index wins ties).
+inline int64_t best_cluster(const double* Di, const double* prices, int64_t k, int64_t exclude, double* best_cost) {
+  int64_t best = -1;
+  double bc = kInf;
+  for (int64_t j = 0; j < k; ++j) {
+    if (j == exclude) continue;
+    const double c = Di[j] + prices[j];
+    if (c < bc) {
+      bc = c;
+      best = j;
+    }
+  }
+  *best_cost = bc;
+  return best;
+}
+
+// First and final eps from the largest per-point cost range over all ranks (as the reference's _eps_schedule).
+EpsSchedule eps_schedule(const Block& b, const std::vector<double>& prices, bool warm, const AuctionParams& ap) {
+  double span = 0.0, amax = 0.0;
+  const double* D = b.D;
+  const int64_t k = b.k;
+#pragma omp parallel for schedule(static) reduction(max : span, amax)
+  for (int64_t i = 0; i < b.n; ++i) {
+    double lo_v = kInf, hi_v = -kInf;
+    for (int64_t j = 0; j < k; ++j) {
+      lo_v = std::min(lo_v, D[i * k + j]);
+      hi_v = std::max(hi_v, D[i * k + j]);
+    }
+    span = std::max(span, hi_v - lo_v);
+    amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
+  }
+  std::vector<double> global{span, amax};
+  b.comm.max(global);
+  span = global[0] > 0.0 ? global[0] : 1.0;
+  amax = global[1];
+  double pmax = 0.0;
+  for (double p : prices) pmax = std::max(pmax, std::fabs(p));
+  // Below a few ulps of the costs, eps increments would vanish and the auction would never end.
+  const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (amax + pmax + span));
+  return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final};
+}
+
+// Per group g, the t[g]-th smallest key and how many local keys lie at or below it.
+struct Threshold {
+  std::vector<double> val;
+  std::vector<int64_t> gid, count;
+};
+
+// All-gathers the local candidates of the wanted groups (the first count[g] members) and keeps in front
+// the local ones at or below the global thresholds.
+void exchange(const Block& b, const double* val, std::vector<std::vector<int64_t>>& members,
+              const std::vector<int64_t>& t, Threshold& th) {
+  std::vector<int64_t> grp, gid, want, wanted;
+  std::vector<double> v;
+  for (int64_t g = 0; g < static_cast<int64_t>(members.size()); ++g) {
+    if (t[g] <= 0) continue;
+    const int64_t w = static_cast<int64_t>(want.size());
+    want.push_back(t[g]);
+    wanted.push_back(g);
+    for (int64_t e = 0; e < th.count[g]; ++e) {
+      grp.push_back(w);
+      v.push_back(val[members[g][e]]);
+      gid.push_back(b.offset + members[g][e]);
+    }
+  }
+  if (want.empty()) return;  // the same on every rank: t is global
+  std::vector<double> tv;
+  std::vector<int64_t> tg;
+  b.comm.select(grp, v, gid, want, tv, tg);
+  for (int64_t w = 0; w < static_cast<int64_t>(wanted.size()); ++w) {
+    const int64_t g = wanted[w];
+    th.val[g] = tv[w];
+    th.gid[g] = tg[w];
+    auto& mem = members[g];
+    auto below = [&](int64_t i) { return key_le(val[i], b.offset + i, tv[w], tg[w]); };
+    th.count[g] = std::partition(mem.begin(), mem.begin() + th.count[g], below) - mem.begin();
+  }
+}
+
+// Per group g, the t[g]-th smallest key (val[i], offset + i) over the members of every rank (t[g] = 0: none
+// wanted; count 0). members[g] is reordered so that its first count[g] entries are the local keys at or
+// below the threshold: the t[g] smallest when one process holds them all.
+Threshold select_smallest(const Block& b, const double* val, std::vector<std::vector<int64_t>>& members,
+                          const std::vector<int64_t>& t) {
+  const int64_t groups = static_cast<int64_t>(members.size());
+  Threshold th{std::vector<double>(groups, kInf), std::vector<int64_t>(groups, kNoRow),
+               std::vector<int64_t>(groups, 0)};
+  const bool local = !b.comm.distributed();
+  auto less = [&](int64_t a, int64_t c) { return val[a] < val[c] || (val[a] == val[c] && a < c); };
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    auto& mem = members[g];
+    const int64_t size = static_cast<int64_t>(mem.size());
+    if (t[g] <= 0) continue;
+    // This rank's t[g] smallest first: the only ones that can be the answer.
+    if (size >= t[g]) std::nth_element(mem.begin(), mem.begin() + (t[g] - 1), mem.end(), less);
+    th.count[g] = std::min(size, t[g]);
+    if (local && size >= t[g]) {
+      th.val[g] = val[mem[t[g] - 1]];
+      th.gid[g] = b.offset + mem[t[g] - 1];
+    }
+  }
+  if (!local) exchange(b, val, members, t, th);
+  return th;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The floor auction: the relaxed problem size_j <= hi_j (no lower bounds) in the "floor" form of the
+// dual: prices are >= 0 and a cluster with a positive price must be exactly full. Forward rounds keep
+// that true (members leave only by eviction, exactly the excess); each eps phase starts from the argmin
+// and reverse steps. No dummy units, so slack capacity costs nothing: an arrival at a cluster with room
+// is simply absorbed.
+// ------------------------------------------------------------------------------------------------
+
+class FloorAuction {
+ public:
+  FloorAuction(const Block& b, const int64_t* hi, std::vector<double>& prices, int32_t* obj, const AuctionParams& ap)
+      : b_(b), hi_(hi), p_(prices), obj_(obj), ap_(ap), gap_(b.n), regret_(b.n) {
+    const bool warm = static_cast<int64_t>(p_.size()) == b.k;
+    if (!warm) p_.assign(b.k, 0.0);
+    es_ = eps_schedule(b, p_, warm, ap);
+    eps_ = es_.eps;
+    slack_ = -b.n_total;
+    for (int64_t j = 0; j < b.k; ++j) slack_ += hi[j];
+  }
+
+  int64_t run() {
+    start(true);
+    for (;;) {
+      while (round()) {
+      }
+      if (eps_ <= es_.eps_final) break;
+      eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
+      start(false);
+    }
+    return rounds_;
+  }
+
+ private:
+  const Block& b_;
+  const int64_t* hi_;
+  std::vector<double>& p_;
+  int32_t* obj_;
+  const AuctionParams& ap_;
+  EpsSchedule es_{};
+  double eps_ = 0.0;
+  int64_t slack_ = 0, rounds_ = 0;
+  std::vector<int64_t> counts_;
+  std::vector<double> gap_, regret_;
+  std::vector<std::vector<int64_t>> members_;
+
+  const double* row(int64_t i) const { return b_.D + i * b_.k; }
+
+  // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
+  void bid_all(bool only_violators) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      double bc;
+      const int64_t best = best_cluster(row(i), p_.data(), b_.k, -1, &bc);
+      if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) obj_[i] = static_cast<int32_t>(best);
+    }
+    counts_ = global_counts(b_, obj_, b_.k);
+  }
+
+  // Phase start: the first phase from the exact argmin, later ones move only the points that violate the
+  // new eps (everyone else already sits within it, which keeps most of the previous phase's work). A
+  // cluster left below its cap with a positive price then lowers its price just enough to pull in its
+  // deficit (reverse steps); a price that would go below 0 stops at 0, where being under-full is allowed.
+  // Zeroing the price outright instead would throw away what earlier phases learnt.
+  void start(bool first) {
+    bid_all(!first);
+    if (slack_ <= 0) return;
+    for (int64_t pass = 0;; ++pass) {
+      bool changed = false;
+      for (int64_t j = 0; j < b_.k; ++j) {
+        if (counts_[j] >= hi_[j] || p_[j] <= 0.0) continue;
+        changed = true;
+        if (pass >= 4 * b_.k) {  // safety net: plain zeroing always terminates
+          p_[j] = 0.0;
+          continue;
+        }
+        pull(j);
+      }
+      if (!changed) return;
+      if (pass >= 4 * b_.k) bid_all(false);
+    }
+  }
+
+  // Reverse step of the under-full cluster j: the points with the smallest extra cost (gap) come, and
+  // every other point stays within eps of its best.
+  void pull(int64_t j) {
+    const int64_t r = hi_[j] - counts_[j];
+    const double pj = p_[j];
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const int64_t o = obj_[i];
+      gap_[i] = o == j ? kInf : (row(i)[j] + pj) - (row(i)[o] + p_[o]);
+    }
+    members_.resize(1);
+    std::vector<int64_t>& cand = members_[0];
+    cand.clear();
+    for (int64_t i = 0; i < b_.n; ++i)
+      if (obj_[i] != j) cand.push_back(i);
+    const Threshold th = select_smallest(b_, gap_.data(), members_, {r});
+    int64_t pulled = th.count[0];
+    const double drop = th.val[0] + eps_;
+    if (drop >= pj) {
+      // The price stops at 0: only points that now strictly prefer j by more than eps move.
+      p_[j] = 0.0;
+      const double eps = eps_;
+      pulled = std::partition(cand.begin(), cand.begin() + pulled, [&](int64_t i) { return gap_[i] - pj < -eps; })
+               - cand.begin();
+    } else {
+      p_[j] -= drop;
+    }
+    std::vector<int64_t> left(b_.k, 0);
+    for (int64_t e = 0; e < pulled; ++e) {
+      ++left[obj_[cand[e]]];
+      obj_[cand[e]] = static_cast<int32_t>(j);
+    }
+    b_.comm.sum(left);
+    for (int64_t o = 0; o < b_.k; ++o) {
+      counts_[o] -= left[o];
+      counts_[j] += left[o];
+    }
+  }
+
+  // One forward round: every over-full cluster evicts its `excess` members with the smallest (regret,
+  // row) and raises its price past the last of them; evicted points re-bid. False when none is over-full.
+  bool round() {
+    std::vector<int64_t> over, slot(b_.k, -1);
+    for (int64_t j = 0; j < b_.k; ++j) {
+      if (counts_[j] > hi_[j]) {
+        slot[j] = static_cast<int64_t>(over.size());
+        over.push_back(j);
+      }
+    }
+    if (over.empty()) return false;
+    if (++rounds_ > ap_.max_rounds) throw std::runtime_error("floor_auction: no termination (internal error)");
+    const int64_t nover = static_cast<int64_t>(over.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const int64_t j = obj_[i];
+      if (slot[j] < 0) continue;
+      double sc;
+      best_cluster(row(i), p_.data(), b_.k, j, &sc);
+      regret_[i] = sc - (row(i)[j] + p_[j]);
+    }
+    members_.resize(nover);
+    for (auto& m : members_) m.clear();
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const int64_t s = slot[obj_[i]];
+      if (s >= 0) members_[s].push_back(i);
+    }
+    std::vector<int64_t> excess(nover);
+    for (int64_t s = 0; s < nover; ++s) excess[s] = counts_[over[s]] - hi_[over[s]];
+    const Threshold th = select_smallest(b_, regret_.data(), members_, excess);
+    std::vector<int64_t> moved;
+    for (int64_t s = 0; s < nover; ++s) {
+      p_[over[s]] = p_[over[s]] + th.val[s] + eps_;
+      counts_[over[s]] = hi_[over[s]];
+      moved.insert(moved.end(), members_[s].begin(), members_[s].begin() + th.count[s]);
+    }
+    rebid(moved);
+    return true;
+  }
+
+  // Evicted points re-bid at the new prices, so no point sits more than eps from its best.
+  void rebid(const std::vector<int64_t>& moved) {
+    const int64_t nm = static_cast<int64_t>(moved.size());
+#pragma omp parallel for schedule(static) if (nm > 4096)
+    for (int64_t e = 0; e < nm; ++e) {
+      double bc;
+      obj_[moved[e]] = static_cast<int32_t>(best_cluster(row(moved[e]), p_.data(), b_.k, -1, &bc));
+    }
+    std::vector<int64_t> came(b_.k, 0);
+    for (int64_t e = 0; e < nm; ++e) ++came[obj_[moved[e]]];
+    b_.comm.sum(came);
+    for (int64_t j = 0; j < b_.k; ++j) counts_[j] += came[j];
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// The general problem lo_j <= size_j <= hi_j: each cluster is split into a mandatory object (lo slots,
+// real points only) and an optional one (hi - lo slots), and sum(hi) - n zero-cost dummy units fill the
+// optional slots that real points leave free, so every object ends exactly full. A plain forward auction
+// then applies; it is slower than the floor form when there is slack (the dummies trade places in eps
+// steps), so it only runs when the lower bounds bind.
+// ------------------------------------------------------------------------------------------------
+
+class DummyAuction {
+ public:
+  DummyAuction(const Block& b, const int64_t* lo, const int64_t* hi, std::vector<double>& prices,
+               const AuctionParams& ap)
+      : b_(b), ob_(lo, hi, b.k), m_(ob_.size()), p_(prices), ap_(ap), obj_(b.n), regret_(b.n) {
+    const bool warm = static_cast<int64_t>(p_.size()) == m_;
+    if (!warm) p_.assign(m_, 0.0);
+    es_ = eps_schedule(b, p_, warm, ap);
+    eps_ = es_.eps;
+    // Cold and warm start alike: every unit takes its cheapest object.
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b.n; ++i) {
+      double bc;
+      obj_[i] = static_cast<int32_t>(best_of(i, -1, &bc));
+    }
+    real_ = global_counts(b, obj_.data(), m_);
+    int64_t n_dummy = -b.n_total;
+    for (int64_t j = 0; j < b.k; ++j) n_dummy += hi[j];
+    dummies_ = auction::place_dummies(p_, ob_, real_, n_dummy);
+    lb_.assign(m_, -kInf);
+  }
+
+  int64_t run(int64_t* labels) {
+    for (;;) {
+      while (round()) {
+      }
+      if (eps_ <= es_.eps_final) break;
+      next_phase();
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) labels[i] = ob_.cluster[obj_[i]];
+    return rounds_;
+  }
+
+ private:
+  // One object over capacity in this round.
+  struct Over {
+    int64_t o, excess;
+    double rho;            // price step at which a dummy leaves for the cheapest other dummy object
+    bool scan;             // whether real members may leave (their regrets are needed)
+    int64_t n_real = 0, n_dum = 0;
+    double last = -kInf;   // the price rise less eps: the last evicted unit's regret
+    double rest = kInf;    // smallest regret among the local real members that stay
+  };
+
+  const Block& b_;
+  const Objects ob_;
+  const int64_t m_;
+  std::vector<double>& p_;
+  const AuctionParams& ap_;
+  EpsSchedule es_{};
+  double eps_ = 0.0;
+  int64_t rounds_ = 0;
+  std::vector<int32_t> obj_;
+  std::vector<int64_t> real_, dummies_;
+  // lb_[o]: lower bound on the smallest regret among o's real members (all ranks). It lets a round that
+  // only evicts dummies skip the O(members * m) regret scan: rising prices elsewhere only raise regrets, a
+  // raise of o's own price lowers them all by the same amount, and arrivals report theirs.
+  std::vector<double> lb_, regret_;
+  std::vector<std::vector<int64_t>> members_;
+
+  double cost(int64_t i, int64_t o) const { return b_.D[i * b_.k + ob_.cluster[o]] + p_[o]; }
+
+  // Cheapest object for point i other than `exclude`; the lowest index wins ties.
+  int64_t best_of(int64_t i, int64_t exclude, double* best_cost) const {
+    int64_t best = -1;
+    double bc = kInf;
+    for (int64_t o = 0; o < m_; ++o) {
+      if (o == exclude) continue;
+      const double c = cost(i, o);
+      if (c < bc) {
+        bc = c;
+        best = o;
+      }
+    }
+    *best_cost = bc;
+    return best;
+  }
+
+  std::vector<Over> over_objects() {
+    std::vector<Over> over;
+    for (int64_t o = 0; o < m_; ++o) {
+      if (real_[o] + dummies_[o] <= ob_.cap[o]) continue;
+      const int64_t excess = real_[o] + dummies_[o] - ob_.cap[o];
+      const int64_t dst = cheapest_dummy_object(p_, ob_, o);
+      const double rho = (dummies_[o] > 0 && dst >= 0) ? p_[dst] - p_[o] : kInf;
+      over.push_back({o, excess, rho, !(excess <= dummies_[o] && rho <= lb_[o])});
+    }
+    return over;
+  }
+
+  // Regrets of the real members of the scanned objects, and those members per object.
+  void scan(const std::vector<Over>& over) {
+    std::vector<int64_t> slot(m_, -1);
+    bool any = false;
+    for (int64_t s = 0; s < static_cast<int64_t>(over.size()); ++s) {
+      if (!over[s].scan) continue;
+      slot[over[s].o] = s;
+      any = true;
+    }
+    members_.resize(over.size());
+    for (auto& m : members_) m.clear();
+    if (!any) return;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const int64_t o = obj_[i];
+      if (slot[o] < 0) continue;
+      double sc;
+      best_of(i, o, &sc);
+      regret_[i] = sc - cost(i, o);
+    }
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const int64_t s = slot[obj_[i]];
+      if (s >= 0) members_[s].push_back(i);
+    }
+  }
+
+  // How many real units and dummies leave each object, and the last one's regret. The units leave in
+  // the order of the reference: reals with regret < rho, then the dummies (first on equal regret), then
+  // the other reals, each group by (regret, row).
+  void split_evictions(std::vector<Over>& over) {
+    const int64_t nover = static_cast<int64_t>(over.size());
+    std::vector<int64_t> below(nover, 0);
+    bool need = false;
+    for (int64_t s = 0; s < nover; ++s) {
+      if (!over[s].scan || dummies_[over[s].o] == 0) continue;
+      need = true;
+      for (int64_t i : members_[s]) below[s] += regret_[i] < over[s].rho;
+    }
+    if (need) b_.comm.sum(below);
+    std::vector<int64_t> want(nover, 0);
+    for (int64_t s = 0; s < nover; ++s) {
+      Over& v = over[s];
+      const int64_t d = dummies_[v.o];
+      if (!v.scan) {
+        v.n_dum = v.excess;  // only dummies leave: rho <= every real member's regret
+        v.last = v.rho;
+        continue;
+      }
+      v.n_real = d == 0 || v.excess <= below[s] ? v.excess : std::max(v.excess - d, below[s]);
+      v.n_dum = v.excess - v.n_real;
+      want[s] = v.n_real;
+    }
+    const Threshold th = select_smallest(b_, regret_.data(), members_, want);
+    for (int64_t s = 0; s < nover; ++s) {
+      Over& v = over[s];
+      if (!v.scan) continue;
+      v.last = v.n_dum > 0 && v.n_real <= below[s] ? v.rho : th.val[s];
+      const auto& mem = members_[s];
+      for (auto it = mem.begin() + th.count[s]; it != mem.end(); ++it) v.rest = std::min(v.rest, regret_[*it]);
+      members_[s].resize(th.count[s]);  // the local reals that leave
+    }
+  }
+
+  // One forward round over the objects above capacity; false when none is.
+  bool round() {
+    std::vector<Over> over = over_objects();
+    if (over.empty()) return false;
+    if (++rounds_ > ap_.max_rounds) throw std::runtime_error("auction_assign: no termination (internal error)");
+    scan(over);
+    split_evictions(over);
+    std::vector<double> lb = lb_;  // the bounds after this round, this rank's view
+    std::vector<int64_t> moved;
+    int64_t dummy_total = 0;
+    for (const Over& v : over) {
+      const double delta = v.last + eps_;
+      const double price = p_[v.o] + delta;
+      if (!std::isfinite(price)) throw std::runtime_error("auction_assign: infinite price (internal error)");
+      p_[v.o] = price;
+      lb[v.o] = (v.scan ? v.rest : lb_[v.o]) - delta;
+      real_[v.o] -= v.n_real;
+      dummies_[v.o] -= v.n_dum;
+      dummy_total += v.n_dum;
+    }
+    for (size_t s = 0; s < over.size(); ++s) moved.insert(moved.end(), members_[s].begin(), members_[s].end());
+    rebid(moved, lb);
+    if (dummy_total > 0) dummies_[cheapest_dummy_object(p_, ob_, -1)] += dummy_total;
+    return true;
+  }
+
+  // Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best; arrivals
+  // lower the bound of their new object to their regret. lb: the bounds before the arrivals.
+  void rebid(const std::vector<int64_t>& moved, std::vector<double>& lb) {
+    const int64_t nm = static_cast<int64_t>(moved.size());
+    std::vector<double> arrival(nm);
+#pragma omp parallel for schedule(static) if (nm > 4096)
+    for (int64_t e = 0; e < nm; ++e) {
+      const int64_t i = moved[e];
+      double bc, sc;
+      const int64_t best = best_of(i, -1, &bc);
+      best_of(i, best, &sc);
+      obj_[i] = static_cast<int32_t>(best);
+      arrival[e] = sc - bc;
+    }
+    std::vector<int64_t> came(m_, 0);
+    for (int64_t e = 0; e < nm; ++e) {
+      const int64_t o = obj_[moved[e]];
+      ++came[o];
+      lb[o] = std::min(lb[o], arrival[e]);
+    }
+    if (b_.comm.distributed()) {
+      b_.comm.sum(came);
+      for (double& v : lb) v = -v;  // a min as a max
+      b_.comm.max(lb);
+      for (double& v : lb) v = -v;
+    }
+    for (int64_t o = 0; o < m_; ++o) real_[o] += came[o];
+    lb_.swap(lb);
+  }
+
+  // Next phase: shrink eps and move every unit that violates it to its cheapest object.
+  void next_phase() {
+    eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      double bc;
+      const int64_t best = best_of(i, -1, &bc);
+      if (cost(i, obj_[i]) > bc + eps_) obj_[i] = static_cast<int32_t>(best);
+    }
+    real_ = global_counts(b_, obj_.data(), m_);
+    std::fill(lb_.begin(), lb_.end(), -kInf);
+    const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
+    for (int64_t o = 0; o < m_; ++o) {
+      if (o != cheapest && dummies_[o] > 0 && p_[o] > p_[cheapest] + eps_) {
+        dummies_[cheapest] += dummies_[o];
+        dummies_[o] = 0;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void Collective::select(const std::vector<int64_t>& grp, const std::vector<double>& val,
+                        const std::vector<int64_t>& gid, const std::vector<int64_t>& t, std::vector<double>& tv,
+                        std::vector<int64_t>& tg) {
+  const int64_t groups = static_cast<int64_t>(t.size());
+  std::vector<std::vector<int64_t>> by_group(groups);
+  for (int64_t e = 0; e < static_cast<int64_t>(grp.size()); ++e) by_group[grp[e]].push_back(e);
+  tv.assign(groups, kInf);
+  tg.assign(groups, kNoRow);
+  for (int64_t g = 0; g < groups; ++g) {
+    auto& es = by_group[g];
+    if (static_cast<int64_t>(es.size()) < t[g]) continue;
+    auto less = [&](int64_t a, int64_t b) { return val[a] < val[b] || (val[a] == val[b] && gid[a] < gid[b]); };
+    std::nth_element(es.begin(), es.begin() + (t[g] - 1), es.end(), less);
+    tv[g] = val[es[t[g] - 1]];
+    tg[g] = gid[es[t[g] - 1]];
+  }
+}
+
+int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
+                       AuctionState& state, int64_t* labels, const AuctionParams& ap, Collective& comm,
+                       const RowBlock& rows) {
+  const Block b{D, n, k, comm, rows.offset, rows.n_total};
+  if (ap.force_general) {
+    state.used_general = true;
+    return DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);
+  }
+  std::vector<int32_t> obj(n);
+  const int64_t rounds = FloorAuction(b, hi, state.floor_prices, obj.data(), ap).run();
+  const std::vector<int64_t> sizes = global_counts(b, obj.data(), k);
+  bool lower_ok = true;
+  for (int64_t j = 0; j < k; ++j) lower_ok = lower_ok && sizes[j] >= lo[j];
+  if (lower_ok) {
+    // Optimal without the lower bounds and it meets them: optimal with them too.
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) labels[i] = obj[i];
+    state.used_general = false;
+    return rounds;
+  }
+  state.used_general = true;
+  return rounds + DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);
+}
+
+int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
+                       AuctionState& state, int64_t* labels, const AuctionParams& ap) {
+  Collective one;
+  return auction_assign(D, n, k, lo, hi, state, labels, ap, one, RowBlock{0, n});
+}
+
+}  // namespace cluster_kernels
