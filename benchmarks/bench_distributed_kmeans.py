@@ -173,7 +173,7 @@ def vs_single_worker(args: argparse.Namespace) -> None:
     from cluster_kernels import capacity_kmeans
     from cluster_kernels.distributed import distributed_capacity_kmeans
 
-    x = np.ascontiguousarray(np.load(args.data))  # in memory: capacity_kmeans needs it there
+    x = np.ascontiguousarray(np.load(args.data), dtype=args.dtype)  # in memory: capacity_kmeans needs it there
     n = len(x)
     kw = {"max_size": math.ceil(args.cap * n / args.k), "max_iter": args.max_iter, "n_init": 1, "seed": 0}
     if args.init == "rows":  # the same k data rows for both: the same Lloyd iterations
@@ -206,7 +206,8 @@ def run_vs_single(args: argparse.Namespace, data: Path, work: Path) -> dict[str,
         env[var] = str(args.threads)
     cmd = [sys.executable, __file__, "--vs-single-worker", "--threads", str(args.threads), "--data", str(data),
            "--k", str(args.k), "--cap", str(args.cap), "--max-iter", str(args.max_iter), "--repeats",
-           str(args.repeats), "--seed", str(args.seed), "--init", args.init, "--result", str(result)]
+           str(args.repeats), "--seed", str(args.seed), "--init", args.init, "--dtype", args.dtype,
+           "--result", str(result)]
     subprocess.run(cmd, env=env, check=True)
     out = json.loads(result.read_text())
     med = {name: statistics.median(w) for name, w in out["walls"].items()}
@@ -351,6 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="--vs-single: timed runs of each call")
     p.add_argument("--init", choices=["rows", "k-means++"], default="rows",
                    help="--vs-single: the same k random rows as init for both, or each call's own k-means++")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="--vs-single: the data's dtype (float64: capacity_kmeans's distances are float64 too)")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

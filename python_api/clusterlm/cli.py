@@ -30,13 +30,23 @@ import numpy as np
 
 from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
 from clusterlm import train as trainer
+from clusterlm._io import LockedError, StorageError
 from clusterlm.baselines import baseline_plan, is_baseline_spec
 from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, run_compare
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
 from clusterlm.distributed import featurize_sharded
 from clusterlm.export import export_files
-from clusterlm.launch import SELECT_MODULE, barrier, init_distributed, spawn, strip_options, under_torchrun
+from clusterlm.launch import (
+    SELECT_MODULE,
+    barrier,
+    init_distributed,
+    report_failure,
+    reported_by_launcher,
+    spawn,
+    strip_options,
+    under_torchrun,
+)
 from clusterlm.models import load_model
 from clusterlm.picking import l2_normalise
 from clusterlm.plan import Plan
@@ -353,6 +363,8 @@ def _run_train(args: argparse.Namespace) -> int:
     trainer.validate_args(args)  # before any process is spawned: one error line instead of one per rank
     spec = is_baseline_spec(args.plan)
     if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
+        trainer.check_inputs(args, plan_dir=not spec)  # the ranks check again; this fails before any starts
+        trainer.check_unlocked(args.out)
         plan_ws = None if spec else trainer.plan_world_size(args.plan)
         if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
             raise trainer.world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")
@@ -365,15 +377,23 @@ def _run_train(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """``clusterlm train``: run with a namespace that :func:`add_train_args` filled; returns the exit status.
 
-    Argument errors (bad plan, world-size mismatch, data the plan was not made for, an out directory
-    holding another run) print one line ``clusterlm train: error: ...`` (from rank 0) and return 2.
+    Argument errors (bad options or plan, world-size mismatch, data the plan was not made for, an out
+    directory holding another run or in use by a live one) print one line ``clusterlm train: error: ...``
+    and return 2; a full disk (or quota, file size limit, I/O error) prints one line naming the file and
+    returns 1. In a rank of ``clusterlm train --nproc N`` every failure, a crash too, is one line that the
+    launcher prints for the rank that failed first (:func:`clusterlm.launch.report_failure`); a crash alone
+    in a process keeps its traceback.
     """
     try:
         return _run_train(args)
-    except (ValueError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"clusterlm train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except (ValueError, FileNotFoundError, LockedError) as e:
+        return report_failure(str(e), 2, e, prefix="clusterlm train")
+    except StorageError as e:
+        return report_failure(str(e), 1, e, prefix="clusterlm train")
+    except Exception as e:
+        if not reported_by_launcher():
+            raise
+        return report_failure(f"{type(e).__name__}: {e}", 1, e, keep_traceback=True, prefix="clusterlm train")
 
 
 def train_here(argv: list[str]) -> int:
@@ -484,7 +504,7 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per featurization forward")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=_positive_int, default=1,
                    help="selection processes on this machine (torch.distributed.run; sharded features and "
                    "distributed K-means; the plan is the same as with 1)")
 

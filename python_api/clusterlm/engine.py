@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
-from clusterlm._io import atomic_write, atomic_write_text
+from clusterlm._io import atomic_write, atomic_write_text, storage_errors
 from clusterlm.data import collate
 from clusterlm.launch import DistInfo
 from clusterlm.loss import per_example_loss, weighted_loss
@@ -323,9 +323,17 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
 
 
 def save_checkpoint(out: str | os.PathLike, state: dict[str, Any], step: int, keep: int) -> Path:
-    """Atomically write ``ckpt/step_<step, 7 digits>.pt``, point ``ckpt/latest`` at it, keep the newest ``keep``."""
+    """Atomically write ``ckpt/step_<step, 7 digits>.pt``, point ``ckpt/latest`` at it, keep the newest ``keep``.
+
+    Older checkpoints are removed only once the new one and ``latest`` are in place.
+
+    Raises:
+        StorageError: the disk is full (or a quota, the file size limit, an I/O error); it names the file. No
+            temporary file is left, ``latest`` still names the previous checkpoint, which is kept.
+    """
     ckpt_dir = Path(out) / CKPT_DIR
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    with storage_errors(ckpt_dir):
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step_{step:07d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))
     atomic_write_text(ckpt_dir / LATEST, path.name + "\n")

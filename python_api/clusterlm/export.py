@@ -4,8 +4,10 @@ Any trainer whose distributed loader shards a data set *without shuffling* then 
 its plan list, in plan-sampler order, and only has to multiply each example's loss by its weight
 (``mean_b(w_b * loss_b)`` per rank, ``loss_b`` = the example's mean cross entropy over its trained tokens)::
 
-    ds = clusterlm.export.plan_to_dataset(plan, data, batch_size=4, epochs=3)   # a datasets.Dataset
-    clusterlm.export.save_export(ds, "export/", plan=plan, batch_size=4, epochs=3)
+    from clusterlm.export import plan_to_dataset, save_export
+
+    ds = plan_to_dataset(plan, data, batch_size=4, epochs=3)   # a datasets.Dataset
+    save_export(ds, "export/", plan=plan, batch_size=4, epochs=3)
 
     clusterlm export --plan plan/ --data train.jsonl --out export/ --batch-size 4 --epochs 3 [--model M]
 
@@ -51,7 +53,8 @@ from clusterlm.models import load_model
 from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
 
-__all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "export_files", "export_order", "plan_to_dataset", "save_export"]
+__all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "as_hf_dataset", "export_files", "export_order", "plan_to_dataset",
+           "save_export"]
 
 EXPORT_FORMAT = "clusterlm.export"
 # Columns added to every exported row (besides the weight column).
@@ -111,7 +114,15 @@ def export_order(plan: Plan, *, batch_size: int = 1, epochs: int = 1, seed: int 
     return {name: np.concatenate(parts).astype(np.int64) for name, parts in out.items()}
 
 
-def _as_dataset(dataset: Any, split: str | None) -> Any:
+def as_hf_dataset(dataset: Any, split: str | None = None) -> Any:
+    """The rows of ``dataset`` as a ``datasets.Dataset``, in order (a ``datasets.Dataset`` is returned as is).
+
+    Args:
+        dataset: a ``datasets.Dataset``, an :class:`~clusterlm.data.SFTDataset` (its ``input_ids``/``labels``), or
+            any source :func:`clusterlm.data.read_columns` accepts (file, ``save_to_disk`` directory,
+            ``DatasetDict`` with ``split``, list of dicts).
+        split: the split of a ``DatasetDict``.
+    """
     import datasets
 
     if isinstance(dataset, datasets.Dataset):
@@ -157,7 +168,7 @@ def plan_to_dataset(plan: Plan, dataset: Any, *, batch_size: int = 1, epochs: in
         ValueError: a plan for other data (fingerprint or size), a column name already in the source, a bad
             layout (see :func:`export_order`).
     """
-    ds = _as_dataset(dataset, split)
+    ds = as_hf_dataset(dataset, split)
     _check_source(plan, ds, verify)
     taken = [c for c in (weight_column, *EXPORT_COLUMNS) if c in ds.column_names]
     if taken:

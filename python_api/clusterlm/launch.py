@@ -9,6 +9,22 @@ Launching. ``clusterlm train --nproc N`` and ``clusterlm select --nproc N`` both
 
 (:func:`torchrun_command`, :func:`spawn`). One process on one node is ``python -m <module> ARGS``.
 
+Supervision. :func:`spawn` runs torch's launcher in-process in a small agent (``python -c ... run_agent``,
+the same arguments): the agent gets SIGTERM when the launching process dies (``PR_SET_PDEATHSIG`` on Linux,
+a watchdog thread elsewhere) and stops its ranks as torchrun does on SIGTERM; every rank
+(:func:`exit_with_supervisor`, from :func:`init_distributed` and the trainer) exits within a fraction of a
+second once its parent (the agent, or torchrun run by hand) or the launching process is gone, so a
+SIGKILLed launcher leaves no rank training on unsupervised. torch's launcher starts each rank in a session
+of its own, so the ranks are tied to processes, not to a process group.
+
+Failures. A rank that fails calls :func:`report_failure`: its one line (``clusterlm train: error (rank 1
+of 2): ...``) and exit status (2: a user error, 1: a failure) go to the error file torchrun gives it
+(``TORCHELASTIC_ERROR_FILE``, with a timestamp in nanoseconds). The agent reads the error files of all
+failed ranks when the run fails and prints only the first failure's line (later ones are the others
+noticing the lost peer, e.g. gloo's "connection closed"), instead of torchrun's ``ChildFailedError``
+report; a crash's traceback is kept in a file the line names. The other ranks are stopped by the agent, so
+none waits in a collective for a rank that is gone.
+
 Joining. Every rank calls :func:`init_distributed`: under torchrun (:data:`TORCHRUN_ENV` set, world size
 > 1) it joins the env:// process group — nccl on CUDA (this rank's device ``LOCAL_RANK``), gloo on CPU —
 and returns where the process sits (:class:`DistInfo`); otherwise it returns rank 0 of 1 without a group.
@@ -18,10 +34,17 @@ without a group.
 
 from __future__ import annotations
 
+import ctypes
+import json
+import logging
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +52,10 @@ import numpy as np
 import torch
 
 __all__ = [
-    "SELECT_MODULE", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo", "all_gather_floats", "all_gather_objects", "barrier",
-    "in_process_group", "init_distributed", "is_main", "spawn", "strip_options", "torchrun_command", "under_torchrun",
+    "AGENT_PID_ENV", "LAUNCHER_PID_ENV", "SELECT_MODULE", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo",
+    "all_gather_floats", "all_gather_objects", "barrier", "exit_with_supervisor", "first_failure",
+    "in_process_group", "init_distributed", "is_main", "pid_alive", "report_failure", "reported_by_launcher",
+    "run_agent", "spawn", "stamp_failure", "strip_options", "torchrun_command", "under_torchrun",
 ]
 
 # What torchrun sets in every rank's environment (the rendezvous address included).
@@ -38,6 +63,15 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 # The -m entry points of the two multi-process commands.
 TRAIN_MODULE = "clusterlm.train"
 SELECT_MODULE = "clusterlm.select"
+# Set by spawn for what it starts: the pid of the launching process; and by the agent: its own pid.
+LAUNCHER_PID_ENV = "CLUSTERLM_LAUNCHER_PID"
+AGENT_PID_ENV = "CLUSTERLM_AGENT_PID"
+# How often a rank looks whether its supervisor is still there (seconds).
+WATCH_INTERVAL = 0.2
+# The agent: torch's launcher in this process (see run_agent); its arguments are torchrun's.
+_AGENT_CODE = "import sys; from clusterlm.launch import run_agent; sys.exit(run_agent(sys.argv[1:]))"
+_PR_SET_PDEATHSIG = 1
+_FAILED_AT = "clusterlm_failed_ns"  # attribute of an exception: when it happened (stamp_failure)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,24 +146,274 @@ def spawn(
 ) -> int:
     """Run ``python -m MODULE ARGV`` on ``nproc`` processes of this node (and ``nnodes`` nodes); the exit status.
 
-    More than one process (or node) goes through :func:`torchrun_command`; one is a plain child process.
-    ``OMP_NUM_THREADS`` defaults to 1 (torch's launcher would set it with a warning; the ranks set torch's
-    thread count themselves).
+    More than one process (or node) goes through torch's launcher (the arguments of :func:`torchrun_command`),
+    run by the agent (:func:`run_agent`), which dies with this process and reduces a failed run to the first
+    failing rank's line; one process is a plain child process (it exits when this one dies,
+    :func:`exit_with_supervisor`). ``OMP_NUM_THREADS`` defaults to 1 (torch's launcher would set it with a
+    warning; the ranks set torch's thread count themselves).
 
     Args:
         module: e.g. ``clusterlm.train``, ``clusterlm.select``.
         argv: the module's arguments.
         nproc / nnodes / rdzv_endpoint / rdzv_id: see :func:`torchrun_command`.
         env: extra environment variables for the processes.
+
+    Returns:
+        The exit status: 0, the first failing rank's (2: a user error, 1: a failure), 128 + N for signal N.
+
+    Raises:
+        ValueError: ``nproc`` or ``nnodes`` below 1.
     """
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"{module.rsplit('.', 1)[-1]}: --nproc and --nnodes must be >= 1, got {nproc} and {nnodes}.")
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env[LAUNCHER_PID_ENV] = str(os.getpid())
+    full_env.pop(AGENT_PID_ENV, None)
     if nproc == 1 and nnodes == 1:
         cmd = [sys.executable, "-m", module, *argv]
     else:
-        cmd = torchrun_command(argv, nproc, module=module, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                               rdzv_id=rdzv_id)
-    return subprocess.run(cmd, env=full_env, check=False).returncode
+        torchrun = torchrun_command(argv, nproc, module=module, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                                    rdzv_id=rdzv_id)
+        cmd = [sys.executable, "-c", _AGENT_CODE, *torchrun[3:]]  # torchrun[:3]: python -m torch.distributed.run
+    proc = subprocess.Popen(cmd, env=full_env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group): let it stop its ranks
+        try:
+            return proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+            return proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Supervision: ranks die with their launcher
+# ---------------------------------------------------------------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs (an exited process that is not yet reaped, a zombie, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(pid, 0) is all there is
+
+
+def _env_pid(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+_watching: set[str] = set()
+
+
+def _watch(what: str, gone: Callable[[], bool], then: Callable[[], None]) -> None:
+    """Run ``then()`` as soon as ``gone()`` (checked now and every WATCH_INTERVAL s, in a daemon thread)."""
+    if what in _watching:
+        return
+    _watching.add(what)
+    if gone():
+        then()
+
+    def loop() -> None:
+        while not gone():
+            time.sleep(WATCH_INTERVAL)
+        then()
+
+    threading.Thread(target=loop, name=f"clusterlm-{what}", daemon=True).start()
+
+
+def exit_with_supervisor() -> bool:
+    """In a rank: end this process as soon as whoever supervises it is gone; True when something is watched.
+
+    The supervisor is the parent process when it is torch's launcher (under torchrun) or :func:`spawn`'s
+    launching process (``CLUSTERLM_LAUNCHER_PID``), and that launching process itself; a process started
+    otherwise (a shell's ``python -m clusterlm.train``, a ``nohup`` run) is left alone. Idempotent.
+    """
+    launcher = _env_pid(LAUNCHER_PID_ENV)
+    if not under_torchrun() and launcher is None:
+        return False
+    parent = _env_pid(AGENT_PID_ENV) if under_torchrun() and _env_pid(AGENT_PID_ENV) else os.getppid()
+
+    def gone() -> bool:
+        return os.getppid() != parent or (launcher is not None and not pid_alive(launcher))
+
+    _watch("supervisor", gone, lambda: os._exit(1))  # nobody waits for this status: the supervisor is gone
+    return True
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """The agent: SIGTERM to itself (torch's launcher then stops its ranks) when ``launcher`` is gone."""
+    def gone() -> bool:
+        return os.getppid() != launcher or not pid_alive(launcher)
+
+    def stop() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if sys.platform.startswith("linux"):
+        try:  # the kernel sends it the moment the parent exits
+            if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+                if gone():  # it died before the request: nothing will be sent
+                    stop()
+                return
+        except (OSError, AttributeError):  # pragma: no cover - no prctl in this libc
+            pass
+    _watch("launcher", gone, stop)  # pragma: no cover - not Linux
+
+
+def _quiet_torchrun() -> None:
+    """torch's launcher logs each rank it stops and its failure report; the agent reports instead."""
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def run_agent(argv: Sequence[str]) -> int:
+    """torch's launcher (``python -m torch.distributed.run ARGV``) in this process, as :func:`spawn` runs it.
+
+    It dies with the launching process (``CLUSTERLM_LAUNCHER_PID``), tells the ranks its pid (so they exit
+    when it is gone), and reports a failed run by the first failing rank's line (:func:`first_failure`).
+
+    Returns:
+        The exit status: 0, the first failure's status, or 128 + N when signal N stopped the run.
+    """
+    launcher = _env_pid(LAUNCHER_PID_ENV)
+    if launcher is not None:
+        _die_with_launcher(launcher)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    saved = os.environ.get("LOGLEVEL")
+    os.environ["LOGLEVEL"] = "CRITICAL"  # read once, when torch's launcher modules make their loggers
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+    finally:
+        if saved is None:
+            os.environ.pop("LOGLEVEL", None)
+        else:
+            os.environ["LOGLEVEL"] = saved
+    _quiet_torchrun()
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError as e:
+        line, code = first_failure(e.failures)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+def first_failure(failures: Mapping[int, Any]) -> tuple[str, int]:
+    """The line and exit status that report a failed run: those of the rank that failed first.
+
+    Args:
+        failures: global rank -> torch's ``ProcessFailure`` (``exitcode``, ``pid``, ``error_file_data``).
+
+    Ranks that reported themselves (:func:`report_failure`) are ordered by the nanosecond time of their report;
+    without any report the earliest failure is described by its exit status or signal.
+    """
+    reported = []
+    for rank, f in failures.items():
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        mine = data.get("clusterlm")
+        if isinstance(mine, dict) and "line" in mine:
+            reported.append((int(mine.get("time_ns", 0)), rank, mine))
+    if reported:
+        _, _, mine = min(reported, key=lambda r: r[:2])
+        return str(mine["line"]), int(mine.get("exit_code", 1))
+    rank, f = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    if f.exitcode < 0:
+        how = f"was killed by signal {-f.exitcode} ({f.signal_name()})"
+    else:
+        how = f"exited with status {f.exitcode} (its output is above)"
+    return f"clusterlm: rank {rank} (pid {f.pid}) {how}", 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Failures: one line per run
+# ---------------------------------------------------------------------------------------------------
+
+
+def reported_by_launcher() -> bool:
+    """True in a rank whose failures :func:`run_agent` reports (it prints nothing itself)."""
+    return under_torchrun() and _env_pid(AGENT_PID_ENV) is not None
+
+
+def stamp_failure(exc: BaseException) -> None:
+    """Note on ``exc`` when it happened (the first stamp stays), for :func:`report_failure`.
+
+    A rank stamps its failure before it takes its process group down: the other ranks then fail on the lost
+    peer, later, and the agent reports the rank that failed first.
+    """
+    if getattr(exc, _FAILED_AT, None) is None:
+        try:
+            setattr(exc, _FAILED_AT, time.time_ns())
+        except (AttributeError, TypeError):  # pragma: no cover - exceptions with __slots__
+            pass
+
+
+def _record_failure(line: str, code: int, exc: BaseException | None, keep_traceback: bool) -> bool:
+    """Write the rank's failure into torchrun's error file (with the traceback of a crash); True when written."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    stack = "".join(traceback.format_exception(exc)) if exc is not None else ""
+    if keep_traceback and stack:  # a crash: its traceback in a file of its own, named on the line
+        tb_path = os.path.join(os.path.dirname(error_file), "traceback.txt")
+        try:
+            with open(tb_path, "w", encoding="utf-8") as f:
+                f.write(stack)
+            line = f"{line} (traceback: {tb_path})"
+        except OSError:
+            pass
+    when = getattr(exc, _FAILED_AT, None) or time.time_ns()
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(when // 10**9)}},
+              "clusterlm": {"line": line, "exit_code": code, "time_ns": when}}
+    try:
+        os.makedirs(os.path.dirname(error_file), exist_ok=True)
+        with open(error_file, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    except OSError:
+        return False
+    return True
+
+
+def report_failure(message: str, code: int, exc: BaseException | None = None, *, keep_traceback: bool = False,
+                   prefix: str = "clusterlm") -> int:
+    """Report this process's failure in one line, ``PREFIX: error: MESSAGE``; returns ``code``.
+
+    Alone (no torchrun), the line goes to stderr. In a rank it names the rank (``error (rank 1 of 2)``) and
+    goes to torchrun's error file; it is printed here too unless the agent reports it
+    (:func:`reported_by_launcher`) — under torchrun run by hand by rank 0 only, so that N ranks failing alike
+    print one line.
+
+    Args:
+        message: what went wrong and what to do.
+        code: the exit status (2: a user error, 1: a failure).
+        exc: the exception (when it happened: :func:`stamp_failure`).
+        keep_traceback: a crash: keep its traceback (in a file next to the error file, named on the line).
+        prefix: the command, e.g. ``clusterlm train``.
+    """
+    if not under_torchrun():
+        print(f"{prefix}: error: {message}", file=sys.stderr, flush=True)
+        return code
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    line = f"{prefix}: error (rank {rank} of {world}): {message}"
+    written = _record_failure(line, code, exc, keep_traceback)
+    if not (written and reported_by_launcher()) and (rank == 0 or not written):
+        print(line, file=sys.stderr, flush=True)
+    return code
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,7 +465,8 @@ def init_distributed(backend: str | None = None, *, device: str = "auto") -> Dis
     """Join the process group torchrun describes (env://), or run as a single process.
 
     Without ``WORLD_SIZE`` in the environment (or with ``WORLD_SIZE=1``) no group is initialised and rank 0
-    of 1 is returned; an already initialised group is returned as it is.
+    of 1 is returned; an already initialised group is returned as it is. A rank of a launcher exits with it
+    (:func:`exit_with_supervisor`).
 
     Args:
         backend: "gloo", "nccl", ... (default: nccl on CUDA, else gloo).
@@ -196,6 +481,7 @@ def init_distributed(backend: str | None = None, *, device: str = "auto") -> Dis
             with torchrun); nccl or ``device="cuda"`` without CUDA.
     """
     dist = torch.distributed
+    exit_with_supervisor()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = _use_cuda(device)
     if backend == "nccl" and not torch.cuda.is_available():

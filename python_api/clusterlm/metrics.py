@@ -6,6 +6,9 @@
 - :func:`summarize` / :func:`summary_text`: the summary and its printed lines (first/last train loss as
   single steps and as window means, :func:`loss_windows`; held-out loss before/after; token balance).
 - :func:`plot_training`: loss curve (train and held-out) and throughput.
+
+Every file is written through :mod:`clusterlm._io`: a full disk is one :class:`~clusterlm._io.StorageError`
+naming the file, and never leaves half a record or a temporary file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm._io import atomic_write_text
+from clusterlm._io import append_text, atomic_write, atomic_write_text
 from clusterlm.engine import CKPT_DIR
 from clusterlm.launch import DistInfo, all_gather_floats
 
@@ -41,10 +44,14 @@ class MetricsLog:
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` and append it to the file (a disk that fills mid-record leaves no cut-off line).
+
+        Raises:
+            StorageError: the disk is full (or a quota, an I/O error); the file ends with the previous record.
+        """
         self.records.append(record)
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n")
 
 
 def step_record(stats: dict[str, float], dt: float, cpu: float, di: DistInfo, step: int, epoch: float,
@@ -187,6 +194,8 @@ def plot_training(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     ax1.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path

@@ -29,10 +29,11 @@ nothing is downloaded, and a model that is not cached is refused in one line nam
 The returned ``model_id`` is :func:`compute_model_id` of the loaded model, ``"<label>@<12 hex>"``: the hex is
 :func:`model_hash`, a sha256 over the model's config (without the keys that describe the library, the load
 call or the special tokens) and a strided sample of at most 65 536 values of every tensor, rounded to bfloat16,
-so the same model has the same id however it was loaded (built-in name, directory, cache, GGUF, a Python object
-from ``from_pretrained``; float32 or bfloat16) and any training step changes it. The label is informative only
-(the built-in or GGUF name, ``org/name`` for a cached hub model, else the directory's name); trainers compare the
-hashes (:func:`check_model_id`).
+so the same weights have the same hash however they were loaded (built-in name, directory, cache, GGUF, a Python
+object from ``from_pretrained``; float32 or bfloat16) and any training step changes it. The label is informative only
+(the built-in or GGUF name, ``org/name`` for a cached hub model, else the directory's absolute path), the same
+for ``load_model`` and for a model object from ``from_pretrained`` of the same place; trainers compare only the
+hashes (:func:`check_model_id`), so a copy of the weights elsewhere is the same model.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def _cache_repo_id(path: Path) -> str | None:
 
 def model_label(model: Any) -> str:
     """A readable name for a loaded model: the built-in/GGUF name of a directory clusterlm built, ``org/name``
-    for a Hugging Face cache snapshot or a hub id, the directory's name, else the model type."""
+    for a Hugging Face cache snapshot or a hub id, the absolute path of another directory, else the model type."""
     net = _plain_model(model)
     config = getattr(net, "config", None)
     source = str(getattr(config, "_name_or_path", "") or "")
@@ -197,7 +198,7 @@ def model_label(model: Any) -> str:
         repo = _cache_repo_id(path)
         if repo is not None:
             return repo
-        return path.name if path.is_dir() else source
+        return str(path.resolve()) if path.is_dir() else source
     return str(getattr(config, "model_type", "") or type(net).__name__)
 
 
@@ -501,8 +502,9 @@ def _model_directory(name: str) -> Path:
     if snapshot is not None:
         return snapshot
     raise ValueError(
-        f"load_model: {name!r} is not a built-in model ({known}), a .gguf file or a local directory, and the Hugging "
-        f"Face cache {str(hf_hub_cache())!r} holds no snapshot of it (models are never downloaded here); fetch it "
+        f"load_model: {name!r} is not a built-in model ({known}), a .gguf file or a local directory (no such "
+        f"directory), and the Hugging Face cache {str(hf_hub_cache())!r} holds no snapshot of it (models are never "
+        "downloaded here); fetch it "
         f"once with `hf download {name}` (or point HF_HUB_CACHE / HF_HOME at the cache that has it), or pass a "
         "directory written by save_pretrained."
     )

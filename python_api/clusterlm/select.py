@@ -68,6 +68,7 @@ from clusterlm.allocation import ALLOCATIONS, allocate, balance_stats, cluster_o
 from clusterlm.budget import check_int, cluster_size_bound, count_for_tokens, resolve_any_budget, resolve_budget
 from clusterlm.data import fingerprint, lengths_of
 from clusterlm.features import GradientFeaturizer
+from clusterlm.models import compute_model_id
 from clusterlm.paper import (
     PAPER_CAP,
     PAPER_N_INIT,
@@ -592,11 +593,6 @@ def build_featurizer(model: Any, features: str | Sequence[str], *, dim: Any = No
                               dtype=dtype, normalize=True, max_tokens=max_tokens)
 
 
-def _model_id(model: Any, featurizer: Any) -> str:
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-    return f"{name}@{featurizer.config()['model'][:12]}"
-
-
 def select(
     model: Any,
     dataset: Any,
@@ -658,7 +654,8 @@ def select(
         progress: progress bars.
         batch_tokens: padded tokens per featurization forward.
         dtype: autocast dtype for the forward (e.g. ``torch.bfloat16`` on GPU).
-        model_id: recorded in the plan (default: the model's name and a hash of its weights).
+        model_id: recorded in the plan (default: :func:`clusterlm.models.compute_model_id`, the id the trainers
+            check).
         return_features: also return the (N, d) float32 features.
 
     Returns:
@@ -715,7 +712,7 @@ def select(
         max_iter=max_iter,
         kmeans_backend=kmeans_backend,
         fingerprint=fingerprint(dataset),
-        model_id=model_id or _model_id(model, featurizer),
+        model_id=model_id or compute_model_id(model),
         timings=timings,
         extra_config={"features": featurizer.config() | {"layers_preset": features if isinstance(features, str)
                                                          else list(features)}},

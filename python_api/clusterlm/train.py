@@ -58,6 +58,15 @@ Files in ``--out``::
     model/           the final weights (save_pretrained; the adapter only with LoRA) and tokenizer
     plan/            the plan, when --plan names a baseline
 
+Before anything is loaded every option is checked (ranges, files that must exist, an ``--out`` that is a
+writable directory), and the run takes the lock of ``--out`` (``OUT/.clusterlm.lock``, global rank 0, for the
+run's life): a second run, ``--resume`` or ``--overwrite`` there while it lives is refused, naming the pid
+that holds it; the lock of a dead run is no obstacle. A rank started by ``clusterlm train --nproc N`` (or
+torchrun) exits as soon as its launcher is gone (:func:`clusterlm.launch.exit_with_supervisor`). A full
+disk (or quota, file size limit, I/O error) at any write — checkpoint, metrics record, summary, plan, curve,
+model — ends the run with one line naming the file and what ran out (:class:`clusterlm._io.StorageError`);
+no temporary file is left and the previous checkpoint stays loadable.
+
 Checkpoints hold model (trainable parameters), optimizer, scheduler, sampler position (epoch,
 position), step, the python / numpy / torch (and CUDA) RNG states of every rank and the metrics so
 far. Global rank 0 writes them to a temporary file and renames it into place, then updates ``latest`` the
@@ -91,6 +100,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -101,7 +111,15 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from clusterlm._io import atomic_write_json
+from clusterlm._io import (
+    DirLock,
+    LockedError,
+    atomic_write_json,
+    atomic_write_text,
+    lock_holder,
+    remove_temporaries,
+    storage_errors,
+)
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.engine import (
     CKPT_DIR,
@@ -123,9 +141,11 @@ from clusterlm.launch import (
     TRAIN_MODULE,
     DistInfo,
     all_gather_objects,
+    exit_with_supervisor,
     in_process_group,
     init_distributed,
     spawn,
+    stamp_failure,
     strip_options,
     under_torchrun,
 )
@@ -136,8 +156,9 @@ from clusterlm.sampler import PlanSampler
 
 __all__ = [
     "CKPT_DIR", "CURVE", "LATEST", "LAUNCHER_OPTIONS", "METRICS", "SUMMARY", "Run", "State",
-    "build_model", "cpu_has_native_bf16", "launch", "load_plan", "plan_world_size", "setup_distributed", "train",
-    "validate_args", "verify_plan", "world_size_error",
+    "build_model", "check_inputs", "check_out_location", "check_unlocked", "cpu_has_native_bf16", "launch",
+    "load_plan", "lock_out", "plan_world_size", "setup_distributed", "train", "validate_args", "verify_plan",
+    "world_size_error",
 ]
 
 DEFAULT_MAX_LENGTH = 1024  # what `clusterlm select` uses when the plan does not record one
@@ -149,6 +170,18 @@ _WEIGHT_DTYPE_RESOLUTION = {"bfloat16": "2^-8 (0.4 %)", "float16": "2^-11 (0.05 
 # Options of `clusterlm train` for the launching process only (the ranks never see them).
 LAUNCHER_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
 
+# Numeric options: (flag, attribute, low, high, low allowed, high allowed, what it is); high inf = any finite value.
+_RANGES = (
+    ("--lr", "lr", 0.0, math.inf, False, False, "the peak learning rate"),
+    ("--warmup-ratio", "warmup_ratio", 0.0, 1.0, True, False, "warm-up as a fraction of all steps"),
+    ("--min-lr-ratio", "min_lr_ratio", 0.0, 1.0, True, True, "the final learning rate over the peak"),
+    ("--beta1", "beta1", 0.0, 1.0, True, False, "AdamW's first-moment decay"),
+    ("--beta2", "beta2", 0.0, 1.0, True, False, "AdamW's second-moment decay"),
+    ("--weight-decay", "weight_decay", 0.0, math.inf, True, False, "decoupled weight decay"),
+    ("--max-grad-norm", "max_grad_norm", 0.0, math.inf, True, False, "gradient clipping, 0 turns it off"),
+    ("--lora-dropout", "lora_dropout", 0.0, 1.0, True, False, "dropout of the LoRA inputs"),
+)
+
 # A baseline plan from the tokenised data: (spec, dataset, world_size, seed=) -> Plan.
 PlanBuilder = Callable[..., Plan]
 
@@ -158,12 +191,39 @@ PlanBuilder = Callable[..., Plan]
 # ---------------------------------------------------------------------------------------------------
 
 
+def _range_error(flag: str, value: float, low: float, high: float, low_ok: bool, high_ok: bool, what: str) -> str:
+    bounds = [f"{'>=' if low_ok else '>'} {low:g}"]
+    bounds.append("finite" if math.isinf(high) else f"{'<=' if high_ok else '<'} {high:g}")
+    return f"train: {flag} {value!r} is out of range: it must be {' and '.join(bounds)} ({what})."
+
+
 def validate_args(args: Any) -> None:
-    """Refuse argument combinations that cannot train well; runs before anything is loaded.
+    """Refuse options that cannot train (or not well); runs before anything is loaded.
 
     Raises:
-        ValueError: ``--model-dtype bfloat16/float16`` without LoRA (full fine-tuning of low-precision weights).
+        ValueError: a number out of range (``--lr`` not > 0, a ratio outside [0, 1), a beta outside [0, 1),
+            negative decay or clipping, ``--lora-alpha`` not > 0, ...), LoRA without target modules,
+            ``--device cuda`` without CUDA, ``--model-dtype bfloat16/float16`` without LoRA (full fine-tuning
+            of low-precision weights).
     """
+    for flag, attr, low, high, low_ok, high_ok, what in _RANGES:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        inside = (value >= low if low_ok else value > low) and (value <= high if high_ok else value < high)
+        if not (math.isfinite(value) and inside):
+            raise ValueError(_range_error(flag, value, low, high, low_ok, high_ok, what))
+    if getattr(args, "lora_r", 0):
+        alpha = getattr(args, "lora_alpha", None)
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"train: --lora-alpha {alpha!r} is out of range: it must be > 0 and finite (the LoRA "
+                             "scale is alpha / r; the default is 2 * r).")
+        targets = getattr(args, "lora_targets", "all-linear")
+        if targets != "all-linear" and not [t for t in str(targets).split(",") if t.strip()]:
+            raise ValueError(f"train: --lora-targets {targets!r} names no module; give comma-separated module names "
+                             "(q_proj,v_proj) or all-linear.")
+    if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train: --device cuda but torch sees no CUDA device; use --device cpu or auto.")
     dtype = getattr(args, "model_dtype", "float32")
     if dtype in _WEIGHT_DTYPE_RESOLUTION and not getattr(args, "lora_r", 0):
         raise ValueError(
@@ -217,6 +277,82 @@ def setup_distributed(args: Any) -> DistInfo:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     return di
+
+
+def check_inputs(args: Any, *, plan_dir: bool) -> None:
+    """Refuse missing inputs and an output location that cannot take the run; before any model is loaded.
+
+    Args:
+        args: the trainer's options (``data``, ``eval_data``, ``plan``, ``resume``, ``out``).
+        plan_dir: ``--plan`` must be a plan directory (not a baseline spec).
+
+    Raises:
+        FileNotFoundError: no ``--data`` / ``--eval-data`` / ``--resume`` file, no plan in ``--plan``.
+        ValueError: ``--out`` is a file, lies under a file, or is not writable (:func:`check_out_location`).
+    """
+    for flag, value in (("--data", getattr(args, "data", None)), ("--eval-data", getattr(args, "eval_data", None))):
+        if isinstance(value, (str, os.PathLike)) and value and not Path(value).exists():
+            raise FileNotFoundError(f"train: {flag} {value}: no such file or directory.")
+    if plan_dir and not (Path(args.plan) / "plan.json").is_file():
+        raise FileNotFoundError(
+            f"train: --plan {args.plan}: no plan there (no plan.json); make one with clusterlm select --out "
+            f"{args.plan}, or train a baseline: --plan full, --plan random:<ratio>."
+        )
+    resume_from = getattr(args, "resume", None)
+    if resume_from not in (None, LATEST) and not Path(resume_from).is_file():
+        raise FileNotFoundError(f"train: --resume {resume_from}: no such checkpoint file.")
+    check_out_location(Path(args.out))
+
+
+def check_out_location(out: Path) -> None:
+    """``out`` is (or can become) a directory this process can write; it is created.
+
+    Raises:
+        ValueError: ``out`` is a file, lies under a file, or cannot be written (permissions, a read-only
+            file system).
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train: --out {out} is a file, not a directory; choose another --out.")
+    ancestor = next((p for p in out.parents if p.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        raise ValueError(f"train: --out {out}: {ancestor} is a file, not a directory; choose another --out.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"train: --out {out} is not writable ({e.strerror or e}); choose another --out.") from None
+
+
+def _locked(out: Path, holder: str) -> LockedError:
+    return LockedError(out, holder, f"train: --out {out} is in use by another run ({holder}); wait for it to end or "
+                       "stop it, or choose another --out.")
+
+
+def check_unlocked(out: str | os.PathLike) -> None:
+    """Refuse an ``out`` that a live run holds (the launcher asks before it starts any rank).
+
+    Raises:
+        LockedError: naming the holder's pid.
+    """
+    holder = lock_holder(out)
+    if holder is not None:
+        raise _locked(Path(out), holder)
+
+
+def lock_out(out: Path) -> DirLock:
+    """Take the lock of the run directory ``out`` for this run (rank 0); removes what dead runs left half-written.
+
+    Raises:
+        LockedError: another live run holds it (the message names its pid).
+    """
+    try:
+        lock = DirLock(out).acquire()
+    except LockedError as e:
+        raise _locked(out, e.holder) from None
+    for d in (out, out / CKPT_DIR, out / "plan"):
+        remove_temporaries(d)
+    return lock
 
 
 def check_out_dir(out: Path, args: Any, di: DistInfo) -> None:
@@ -462,13 +598,18 @@ def train(args: Any, *, build_plan: PlanBuilder | None = None) -> dict[str, Any]
     Raises:
         ValueError / FileNotFoundError: bad arguments, a plan that does not fit the run or the data, an
             out directory holding another run, a checkpoint from a different setup.
+        LockedError: another live run holds ``--out``.
+        StorageError: the disk filled (or a quota, the file size limit, an I/O error) while writing.
     """
     t_start = time.perf_counter()
+    exit_with_supervisor()  # a rank of a launcher that is gone must not train on
     validate_args(args)
+    check_inputs(args, plan_dir=build_plan is None)
     plan_ws = plan_world_size(args.plan) if build_plan is None else None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if plan_ws is not None and plan_ws != world_size:  # before any process group or model is made
         raise world_size_error(plan_ws, world_size, "torchrun" if under_torchrun() else "a single process")
+    lock = lock_out(Path(args.out)) if int(os.environ.get("RANK", "0")) == 0 else None
     # Process-wide torch settings this function changes; restored at the end (train may run inside a caller).
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
@@ -479,11 +620,16 @@ def train(args: Any, *, build_plan: PlanBuilder | None = None) -> dict[str, Any]
         state = start(run)
         loop(run, state)
         return finish(run, state, time.perf_counter() - t_start)
+    except BaseException as e:
+        stamp_failure(e)  # before the group goes down and the other ranks fail on the lost peer
+        raise
     finally:
         if not had_group and in_process_group():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+        if lock is not None:
+            lock.release()
 
 
 def prepare(args: Any, di: DistInfo, build_plan: PlanBuilder | None) -> Run:
@@ -655,8 +801,9 @@ def finish(run: Run, state: State, wall: float) -> dict[str, Any]:
                         state.resumed_from)
     if run.di.is_main:
         if not run.args.no_save_model:
-            run.model.save_pretrained(run.out / "model")
-            run.tokenizer.save_pretrained(run.out / "model")
+            with storage_errors(run.out / "model"):
+                run.model.save_pretrained(run.out / "model")
+                run.tokenizer.save_pretrained(run.out / "model")
         plot_training(state.log.records, run.out / CURVE)
         atomic_write_json(run.out / SUMMARY, summary, sort_keys=False)
         run.say(summary_text(summary, run.out))
@@ -671,7 +818,7 @@ def write_args(run: Run, state: State) -> None:
             "max_length_used": run.max_length, "total_steps": run.total_steps, "steps_per_epoch": run.steps_per_epoch,
             "model_id": run.model_id, "plan_config": run.plan.config, "resumed_from": state.resumed_from,
             "versions": versions(), "argv": sys.argv}
-    (run.out / "args.json").write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")
+    atomic_write_text(run.out / "args.json", json.dumps(info, indent=2, default=str) + "\n")
 
 
 def versions() -> dict[str, str]:

@@ -117,6 +117,23 @@ def test_cli_export_writes_dataset_jsonl_and_manifest(tmp_path, capsys):
     interleaved = [int(i) for pair in zip(plan.indices(0), plan.indices(1), strict=True) for i in pair]
     assert [r["prompt"] for r in rows] == [f"p{i}" for i in interleaved]
     assert [r["plan_rank"] for r in rows] == [0, 1] * plan.per_rank
+    # --model: raw rows are tokenised as clusterlm select does, verified, and exported with their tokens
+    tok = tiny_sft.tokenizer()
+    tiny_sft.model(len(tok), dtype=torch.float32).save_pretrained(str(tmp_path / "model"))
+    tok.save_pretrained(str(tmp_path / "model"))
+    records = [{"prompt": f"why {w}", "response": f" the {w}"} for w in tiny_sft.WORDS[:16]]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokens = load_data(records, tok, max_length=None, progress=False)
+    tiny_sft.two_cluster_plan(tokens).save(tmp_path / "plan2")
+    assert main(["export", "--plan", str(tmp_path / "plan2"), "--data", str(tmp_path / "raw.jsonl"), "--out",
+                 str(tmp_path / "e3"), "--model", str(tmp_path / "model")]) == 0
+    assert "plan fingerprint verified" in capsys.readouterr().out
+    first = json.loads((tmp_path / "e3" / "train.jsonl").read_text().splitlines()[0])
+    assert first["prompt"] == records[first["plan_index"]]["prompt"]
+    assert first["input_ids"] == tokens[first["plan_index"]]["input_ids"].tolist()
+    with pytest.raises(ValueError, match="content hash differs"):  # other data than the plan's
+        main(["export", "--plan", str(tmp_path / "plan2"), "--data", str(tmp_path / "raw.jsonl"), "--out",
+              str(tmp_path / "e4"), "--model", str(tmp_path / "model"), "--chat-template", "off"])
 
 
 # ---------------------------------------------------------------------------------------------------

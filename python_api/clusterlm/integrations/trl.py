@@ -57,6 +57,7 @@ from transformers.utils import logging
 from trl import SFTTrainer
 
 from clusterlm.data import SFTDataset, load_data
+from clusterlm.export import as_hf_dataset
 from clusterlm.integrations.hf import WEIGHT_KEY, PlanCollator, PlanTrainerMixin, check_plan_arguments
 from clusterlm.loss import weighted_loss
 from clusterlm.plan import Plan
@@ -85,12 +86,8 @@ def to_trl_dataset(data: Any, who: str = "ClusterSFTTrainer") -> Any:
         TypeError: an ``IterableDataset`` (a plan indexes a map-style data set), a ``DatasetDict`` (pick a
             split) or another type.
     """
-    if isinstance(data, datasets.Dataset):
-        return data
-    if isinstance(data, SFTDataset):
-        rows = [data[i] for i in range(len(data))]
-        return datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                           "labels": [r["labels"].tolist() for r in rows]})
+    if isinstance(data, (datasets.Dataset, SFTDataset)):
+        return as_hf_dataset(data)
     if isinstance(data, datasets.DatasetDict):
         raise TypeError(f"{who}: train_dataset is a DatasetDict with splits {list(data)}; pass one split, e.g. "
                         "dataset['train'].")
@@ -98,7 +95,7 @@ def to_trl_dataset(data: Any, who: str = "ClusterSFTTrainer") -> Any:
         raise TypeError(f"{who}: a plan indexes a map-style data set; an IterableDataset has no indices. Load it "
                         "as a datasets.Dataset.")
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)) and all(isinstance(r, Mapping) for r in data):
-        return datasets.Dataset.from_list([dict(r) for r in data])
+        return as_hf_dataset(list(data))
     raise TypeError(f"{who}: train_dataset must be a datasets.Dataset, a clusterlm SFTDataset or a list of dicts, got "
                     f"{type(data).__name__}.")
 
@@ -254,7 +251,7 @@ class ClusterSFTTrainer(PlanTrainerMixin, SFTTrainer):
                 local = inputs["attention_mask"].sum()
             else:
                 local = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-            self._total_train_tokens += gather(local).sum().item() // self._tp_size
+            self._total_train_tokens += gather(local).sum().item() // getattr(self, "_tp_size", 1)
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
 
