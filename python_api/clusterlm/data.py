@@ -4,9 +4,9 @@ An *example* is ``{"input_ids": int64 (T,), "labels": int64 (T,)}`` with ``label
 token that is not trained (prompt, chat turns other than the assistant's) and ``labels[t] ==
 input_ids[t]`` on answer tokens (the Hugging Face causal-LM convention: the model shifts internally).
 
-Accepted sources (:func:`load_data`): a local ``.jsonl`` / ``.json`` / ``.parquet`` file (read with
-Hugging Face ``datasets`` from local files only, through a temporary cache that is deleted afterwards,
-so nothing touches the network or the user's HF cache), a directory written by ``Dataset.save_to_disk`` /
+Accepted sources (:func:`load_data`): a local ``.jsonl`` / ``.json`` / ``.parquet`` file (JSON read with the
+standard library, so an error names the file and the 1-based line; Parquet with ``pyarrow``; nothing touches the
+network or the user's HF cache), a directory written by ``Dataset.save_to_disk`` /
 ``DatasetDict.save_to_disk``, a list of dicts, a ``datasets.Dataset`` (or a ``DatasetDict`` with ``split``),
 or already-tokenised example dicts. Record formats, detected from the columns:
 
@@ -48,8 +48,8 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +62,14 @@ __all__ = [
     "CHAT_TEMPLATE_MODES",
     "FORMATS",
     "IGNORE_INDEX",
+    "RawData",
     "SFTDataset",
     "collate",
     "fingerprint",
     "lengths_of",
     "load_data",
     "read_columns",
+    "read_data",
 ]
 
 FORMATS = ("prompt-response", "prompt-completion", "alpaca", "chat", "tokenized")
@@ -321,8 +323,8 @@ def load_data(
     Args:
         source: a path to a local ``.jsonl`` / ``.json`` (list of records) / ``.parquet`` file or to a
             ``save_to_disk`` directory, a list of dicts, a ``datasets.Dataset`` / ``DatasetDict``, or already
-            tokenised example dicts (``input_ids`` and ``labels``; a list or an :class:`SFTDataset`). Record
-            formats: see the module docstring.
+            tokenised example dicts (``input_ids`` and ``labels``; a list or an :class:`SFTDataset`), or what
+            :func:`read_data` read from any of these. Record formats: see the module docstring.
         tokenizer: a Hugging Face tokenizer (fast ones are much quicker); may be None for tokenised data.
             Chat data needs its ``chat_template``.
         max_length: longest sequence kept (the head is kept and the example counted in ``n_truncated``);
@@ -351,11 +353,8 @@ def load_data(
             f"load_data: max_length must be an int >= 2 (a prompt token and an answer token) or None, got "
             f"{max_length!r}."
         )
-    columns, description = _read_source(source, split)
-    if not columns or not len(next(iter(columns.values()))):
-        raise ValueError(f"load_data: {description} holds no examples.")
-    fmt = _detect_format(columns, description)
-    n = len(next(iter(columns.values())))
+    raw = source if isinstance(source, RawData) else read_data(source, split)
+    columns, description, fmt, n = raw.columns, raw.description, raw.format, len(raw)
     if fmt == "tokenized":
         input_ids, labels = [], []
         for i in range(n):
@@ -368,7 +367,7 @@ def load_data(
                 f"load_data: {description} holds text in the {fmt!r} format, so a tokenizer is required "
                 "(e.g. transformers.AutoTokenizer.from_pretrained(<model dir>)); got tokenizer=None."
             )
-        input_ids, labels, use_template = _tokenize_text(columns, fmt, tokenizer, chat_template, n, progress)
+        input_ids, labels, use_template = _tokenize_text(raw, tokenizer, chat_template, progress)
     n_truncated = 0
     for i in range(n):
         if max_length is not None and len(input_ids[i]) > max_length:
@@ -376,13 +375,13 @@ def load_data(
             n_truncated += 1
             if not (labels[i][1:] != IGNORE_INDEX).any():
                 raise ValueError(
-                    f"load_data: example {i} of {description} has no answer token left after truncation to "
+                    f"load_data: example {i} of {_where(description, i)} has no answer token left after truncation to "
                     f"max_length={max_length} (its prompt fills the first {max_length} tokens). Raise max_length "
                     "or shorten that prompt; examples are never dropped silently."
                 )
         elif not (labels[i][1:] != IGNORE_INDEX).any():
             raise ValueError(
-                f"load_data: example {i} of {description} has no answer token (all labels after the first "
+                f"load_data: example {i} of {_where(description, i)} has no answer token (all labels after the first "
                 "position are -100: an empty response without an eos token, a chat without an assistant turn, "
                 "or fully masked labels); its loss would be undefined. Fix or remove that example."
             )
@@ -399,9 +398,10 @@ def _conversational(values: list[Any]) -> bool:
 
 
 def _tokenize_text(
-    columns: Mapping[str, list[Any]], fmt: str, tokenizer: Any, chat_template: bool | None, n: int, progress: bool
+    raw: RawData, tokenizer: Any, chat_template: bool | None, progress: bool
 ) -> tuple[list[np.ndarray], list[np.ndarray], bool]:
-    """Tokenise text records of format ``fmt``; returns ``(input_ids, labels, rendered through the template)``."""
+    """Tokenise text records; returns ``(input_ids, labels, rendered through the template)``."""
+    columns, fmt, where = raw.columns, raw.format, raw.description
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if chat_template not in (None, True, False):
         raise TypeError(f"load_data: chat_template must be None, True or False, got {chat_template!r}.")
@@ -412,26 +412,27 @@ def _tokenize_text(
         )
     conversational = fmt == "chat" or (fmt == "prompt-completion" and _conversational(columns["prompt"]))
     use_template = conversational or (has_template if chat_template is None else chat_template)
-    bar = _progress(n, progress)
+    bar = _progress(len(raw), progress)
     try:
         if fmt == "chat":
-            return (*_tokenize_chat(columns["messages"], tokenizer, bar), True)
+            return (*_tokenize_chat(columns["messages"], tokenizer, bar, where=where), True)
         if conversational:  # TRL's conversational prompt/completion: only the completion's turns are trained
             conversations, starts = [], []
             for i, (p, c) in enumerate(zip(columns["prompt"], columns["completion"], strict=True)):
                 if not isinstance(p, (list, tuple)) or not isinstance(c, (list, tuple)):
                     raise TypeError(
                         f"load_data: example {i}: conversational 'prompt'/'completion' must both be lists of "
-                        f"{{'role', 'content'}} messages, got {type(p).__name__} and {type(c).__name__}."
+                        f"{{'role', 'content'}} messages, got {type(p).__name__} and {type(c).__name__} "
+                        f"({_where(where, i)})."
                     )
                 conversations.append([*p, *c])
                 starts.append(len(p))
-            return (*_tokenize_chat(conversations, tokenizer, bar, starts), True)
-        prompts, responses = _prompts_responses(columns, fmt)
+            return (*_tokenize_chat(conversations, tokenizer, bar, starts, where=where), True)
+        prompts, responses = _prompts_responses(columns, fmt, where)
         if use_template:
             conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
                              for p, r in zip(prompts, responses, strict=True)]
-            return (*_tokenize_chat(conversations, tokenizer, bar), True)
+            return (*_tokenize_chat(conversations, tokenizer, bar, where=where), True)
         return (*_tokenize_pairs(prompts, responses, tokenizer, bar), False)
     finally:
         bar.close()
@@ -448,7 +449,7 @@ def _progress(total: int, enabled: bool) -> Any:
 def _read_source(source: Any, split: str | None) -> tuple[dict[str, list[Any]], str]:
     """Columns (name -> list of values) and a description of ``source``."""
     if isinstance(source, (str, os.PathLike)):
-        return _read_file(Path(source), split)
+        return _read_file(Path(source).expanduser(), split)
     if isinstance(source, SFTDataset):  # re-truncate / re-check an existing data set
         return {"input_ids": [ex["input_ids"] for ex in source], "labels": [ex["labels"] for ex in source]}, (
             source.source
@@ -471,6 +472,60 @@ def _read_source(source: Any, split: str | None) -> tuple[dict[str, list[Any]], 
         "load_data: source must be a path to a .jsonl/.json/.parquet file, a list of dicts, a datasets.Dataset or "
         f"a list of tokenised examples, got {type(source).__name__}."
     )
+
+
+@dataclass(frozen=True)
+class RawData:
+    """Records read and checked without a tokenizer (:func:`read_data`); :func:`load_data` tokenises them.
+
+    Attributes:
+        columns: name -> list of values, one per example.
+        description: the file path or a description of the source (``SFTDataset.source``).
+        format: one of :data:`FORMATS`, detected from the columns.
+    """
+
+    columns: dict[str, list[Any]]
+    description: str
+    format: str
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+
+def read_data(source: Any, split: str | None = None) -> RawData:
+    """Read ``source`` and check what needs no tokenizer: the file (UTF-8, JSON syntax), examples, format.
+
+    ``load_data(read_data(path), tokenizer)`` is ``load_data(path, tokenizer)``; a command line reads the data
+    first, so that a bad file fails in seconds instead of after the model has loaded.
+
+    Args:
+        source / split: as :func:`load_data`.
+
+    Raises:
+        FileNotFoundError, ValueError, TypeError: as :func:`load_data` for the same source (a JSON error names
+            the file and its 1-based line; a file without records says so).
+    """
+    columns, description = _read_source(source, split)
+    if not columns or not len(next(iter(columns.values()))):
+        raise ValueError(f"load_data: {description} holds no examples.")
+    return RawData(columns=columns, description=description, format=_detect_format(columns, description))
+
+
+def _where(description: str, index: int) -> str:
+    """``description``, with the 1-based line of example ``index`` when it names a JSON Lines file (for errors)."""
+    path = Path(description)
+    if path.suffix.lower() != ".jsonl":
+        return description
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError:
+        return description
+    seen = -1
+    for number, line in enumerate(lines, 1):
+        seen += bool(line.strip())
+        if seen == index and line.strip():
+            return f"{description}, line {number}"
+    return description
 
 
 def read_columns(source: Any, split: str | None = None) -> dict[str, list[Any]]:
@@ -508,9 +563,11 @@ def _read_file(path: Path, split: str | None) -> tuple[dict[str, list[Any]], str
     if path.is_dir() and any((path / name).is_file() for name in _SAVED_DATASET_FILES):
         return _read_saved_dataset(path, split)
     if not path.is_file():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in FILE_SUFFIXES) if path.is_dir() else []
+        held = f" (it holds {', '.join(inside[:5])}: pass one of them)" if inside else ""
         raise ValueError(
-            f"load_data: {str(path)!r} is a directory but not one written by datasets' save_to_disk; give the path "
-            "of one data file or of a save_to_disk directory."
+            f"load_data: {str(path)!r} is a directory but not one written by datasets' save_to_disk{held}; give the "
+            "path of one data file or of a save_to_disk directory."
         )
     suffix = path.suffix.lower()
     if suffix not in FILE_SUFFIXES:
@@ -518,23 +575,106 @@ def _read_file(path: Path, split: str | None) -> tuple[dict[str, list[Any]], str
             f"load_data: unknown file extension {suffix or '(none)'!r} of {str(path)!r}; accepted: "
             f"{', '.join(FILE_SUFFIXES)} (convert other formats, or pass a list of dicts)."
         )
-    import datasets
-
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()  # the "Generating train split" bar is noise for a local file
+    if FILE_SUFFIXES[suffix] == "parquet":
+        return _read_parquet(path), str(path)
     try:
-        # A private, temporary cache: the arrow files datasets writes are gone after reading, and the user's
-        # ~/.cache/huggingface is never touched; the packaged json/parquet builders need no network.
-        with tempfile.TemporaryDirectory(prefix="clusterlm-data-") as cache_dir:
-            ds = datasets.load_dataset(
-                FILE_SUFFIXES[suffix], data_files=str(path), split=split or "train", cache_dir=cache_dir
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"load_data: cannot read {str(path)!r}: {err.strerror or err}.") from err
+    lines = _text_lines(path, raw)
+    if not any(line.strip() for line in lines):
+        what = "the file is empty" if not raw.strip(b"\xef\xbb\xbf") else "it has only blank lines"
+        raise ValueError(f"load_data: {str(path)} holds no examples: {what}. Give a file with one record per line.")
+    records = _json_document(path, lines) if suffix == ".json" else None
+    if records is None:  # .jsonl, or JSON Lines in a .json file (as datasets reads them)
+        first = next(line for line in lines if line.strip())
+        if suffix == ".jsonl" and first.strip() in ("[", "{"):
+            raise ValueError(
+                f"load_data: {str(path)} holds one JSON document over several lines, not JSON Lines (one record per "
+                "line); rename it to .json, or write each record on a line of its own."
             )
-            columns = _dataset_columns(ds)
-            del ds
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
-    return columns, str(path)
+        records = [_json_record(path, line, number) for number, line in enumerate(lines, 1) if line.strip()]
+    return _records_columns(records), str(path)
+
+
+def _text_lines(path: Path, raw: bytes) -> list[str]:
+    """The lines of a UTF-8 file (a BOM and CRLF line ends allowed); a non-UTF-8 byte is named by its line."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(
+            f"load_data: {str(path)} is UTF-16 text (as a Windows shell writes with >); save it as UTF-8, e.g. "
+            "iconv -f utf-16 -t utf-8."
+        )
+    body = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = body.count(b"\n", 0, err.start) + 1
+        column = err.start - (body.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(
+            f"load_data: {str(path)}, line {line}: not UTF-8 text (byte 0x{body[err.start]:02x} at column {column}); "
+            "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+        ) from None
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _json_record(path: Path, line: str, number: int) -> dict[str, Any]:
+    """One line of a JSON Lines file: a JSON object, else a one-line error naming the file and the line."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"load_data: {str(path)}, line {number}: invalid JSON: {err.msg} (column {err.colno}); every line of a "
+            "JSON Lines file must be one complete JSON object."
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"load_data: {str(path)}, line {number}: {_JSON_KINDS.get(type(value), type(value).__name__)}, not a JSON "
+            'object; every line must be one record such as {"prompt": ..., "response": ...}.'
+        )
+    return value
+
+
+def _json_document(path: Path, lines: list[str]) -> list[dict[str, Any]] | None:
+    """The records of a ``.json`` file: a list of objects (or one object); None when it holds JSON Lines."""
+    try:
+        value = json.loads("\n".join(lines))
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # several JSON values: JSON Lines
+            return None
+        raise ValueError(
+            f"load_data: {str(path)}, line {err.lineno}: invalid JSON: {err.msg} (column {err.colno}); a .json file "
+            "must hold a list of records (or JSON Lines: one record per line)."
+        ) from None
+    if isinstance(value, dict):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError(
+            f"load_data: {str(path)} holds {_JSON_KINDS.get(type(value), type(value).__name__)}, not a list of "
+            "records; write a JSON array of objects, or one object per line (.jsonl)."
+        )
+    if not value:
+        raise ValueError(f"load_data: {str(path)} holds no examples: the JSON array is empty.")
+    bad = next((i for i, v in enumerate(value) if not isinstance(v, dict)), None)
+    if bad is not None:
+        raise ValueError(
+            f"load_data: {str(path)}: element {bad} of the array is "
+            f"{_JSON_KINDS.get(type(value[bad]), type(value[bad]).__name__)}, not an object; every element must be "
+            'one record such as {"prompt": ..., "response": ...}.'
+        )
+    return value
+
+
+def _read_parquet(path: Path) -> dict[str, list[Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(str(path)).to_pydict()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"load_data: {str(path)} could not be read as Parquet: {' '.join(str(err).split())}") from err
 
 
 def _dataset_columns(ds: Any) -> dict[str, list[Any]]:
@@ -576,31 +716,34 @@ def _detect_format(columns: Mapping[str, list[Any]], description: str) -> str:
         missing = [i for i, v in enumerate(columns[name]) if v is None]
         if missing:
             raise ValueError(
-                f"load_data: example {missing[0]} of {description} has no {name!r} (format {fmt!r} needs "
-                f"{list(required)}); {len(missing)} example(s) lack it."
+                f"load_data: example {missing[0]} of {_where(description, missing[0])} has no {name!r} (format "
+                f"{fmt!r} needs {list(required)}); {len(missing)} example(s) lack it."
             )
     return fmt
 
 
-def _text(value: Any, column: str, index: int) -> str:
+def _text(value: Any, column: str, index: int, where: str) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"load_data: example {index}: {column!r} must be a string, got {type(value).__name__}.")
+        raise TypeError(
+            f"load_data: example {index}: {column!r} must be a string, got {type(value).__name__} "
+            f"({_where(where, index)})."
+        )
     return value
 
 
-def _prompts_responses(columns: Mapping[str, list[Any]], fmt: str) -> tuple[list[str], list[str]]:
+def _prompts_responses(columns: Mapping[str, list[Any]], fmt: str, where: str) -> tuple[list[str], list[str]]:
     if fmt in ("prompt-response", "prompt-completion"):
         answer = "response" if fmt == "prompt-response" else "completion"
-        prompts = [_text(v, "prompt", i) for i, v in enumerate(columns["prompt"])]
-        responses = [_text(v, answer, i) for i, v in enumerate(columns[answer])]
+        prompts = [_text(v, "prompt", i, where) for i, v in enumerate(columns["prompt"])]
+        responses = [_text(v, answer, i, where) for i, v in enumerate(columns[answer])]
         return prompts, responses
     inputs = columns.get("input") or [None] * len(columns["instruction"])
     prompts = []
     for i, (instruction, extra) in enumerate(zip(columns["instruction"], inputs, strict=True)):
-        instruction = _text(instruction, "instruction", i)
-        extra = "" if extra is None else _text(extra, "input", i)
+        instruction = _text(instruction, "instruction", i, where)
+        extra = "" if extra is None else _text(extra, "input", i, where)
         prompts.append(instruction + "\n\n" + extra if extra.strip() else instruction)
-    responses = [_text(v, "output", i) for i, v in enumerate(columns["output"])]
+    responses = [_text(v, "output", i, where) for i, v in enumerate(columns["output"])]
     return prompts, responses
 
 
@@ -639,7 +782,8 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
     return text
 
 
-def _chat_segments(tokenizer: Any, messages: Any, index: int, trained_from: int = 0) -> list[tuple[str, bool]]:
+def _chat_segments(tokenizer: Any, messages: Any, index: int, trained_from: int = 0,
+                   where: str = "") -> list[tuple[str, bool]]:
     """The rendered conversation cut into ``(text, is_answer)`` segments at assistant-turn boundaries; assistant
     turns before message ``trained_from`` are not answers."""
     if not isinstance(messages, (list, tuple)) or not all(
@@ -648,7 +792,7 @@ def _chat_segments(tokenizer: Any, messages: Any, index: int, trained_from: int 
     ):
         raise TypeError(
             f"load_data: example {index}: 'messages' must be a list of {{'role': str, 'content': str}} dicts, "
-            f"got {json.dumps(messages, default=str)[:200]}."
+            f"got {json.dumps(messages, default=str)[:200]} ({_where(where, index)})."
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     full = _render(tokenizer, messages, False)
@@ -674,7 +818,7 @@ def _chat_segments(tokenizer: Any, messages: Any, index: int, trained_from: int 
 
 
 def _tokenize_chat(
-    conversations: list[Any], tokenizer: Any, bar: Any, trained_from: Sequence[int] | None = None
+    conversations: list[Any], tokenizer: Any, bar: Any, trained_from: Sequence[int] | None = None, *, where: str = ""
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
@@ -683,7 +827,7 @@ def _tokenize_chat(
         )
     input_ids, labels = [], []
     for start in range(0, len(conversations), _CHUNK):
-        chunk = [_chat_segments(tokenizer, m, start + j, trained_from[start + j] if trained_from else 0)
+        chunk = [_chat_segments(tokenizer, m, start + j, trained_from[start + j] if trained_from else 0, where)
                  for j, m in enumerate(conversations[start : start + _CHUNK])]
         flat = _encode(tokenizer, [text for segments in chunk for text, _ in segments])
         k = 0

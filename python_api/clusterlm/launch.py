@@ -178,13 +178,14 @@ def spawn(
         cmd = [sys.executable, "-c", _AGENT_CODE, *torchrun[3:]]  # torchrun[:3]: python -m torch.distributed.run
     proc = subprocess.Popen(cmd, env=full_env)
     try:
-        return proc.wait()
+        rc = proc.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group): let it stop its ranks
         try:
-            return proc.wait(timeout=60)
+            rc = proc.wait(timeout=60)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             proc.kill()
-            return proc.wait()
+            rc = proc.wait()
+    return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ from clusterlm.demo import DemoData, default_root, demo_data
 from clusterlm.pretrain import build as build_pretrained_tiny_llama
 from clusterlm.pretrain import tiny_llama_config
 
-__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "check_model_id", "compute_model_id",
-           "convert_gguf", "find_gguf", "hf_hub_cache", "load_model", "model_hash", "model_label", "tiny_llama_config"]
+__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "causal_lm_problem", "check_model_id",
+           "compute_model_id", "convert_gguf", "find_gguf", "hf_hub_cache", "load_model", "model_hash", "model_label",
+           "tiny_llama_config"]
 
 _INFO = "clusterlm_model.json"  # written last into a built-in's directory: its presence means complete
 _SEED = 0
@@ -492,11 +493,23 @@ def _model_directory(name: str) -> Path:
     if (path / "config.json").is_file():
         return path.resolve()
     known = ", ".join(sorted([*BUILTIN_MODELS, *GGUF_MODELS]))
+    if (path / "adapter_config.json").is_file():
+        raise ValueError(
+            f"load_model: {name!r} holds a PEFT adapter (adapter_config.json), not a whole model; load its base model, "
+            "apply the adapter and merge it (PeftModel.from_pretrained(base, dir).merge_and_unload()), then "
+            "save_pretrained the merged model and its tokenizer into a directory and pass that."
+        )
     if path.exists():
         why = "no config.json in it" if path.is_dir() else "not a directory"
         raise ValueError(
             f"load_model: spec={name!r} is neither a built-in model ({known}), a .gguf file, nor a local Hugging Face "
             f"model directory ({why}). Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)."
+        )
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):  # a path
+        raise ValueError(
+            f"load_model: no such model directory {name!r}, and it is no built-in model ({known}) or hub id "
+            "('org/name'); check the path, or save a model there with model.save_pretrained(dir) and "
+            "tokenizer.save_pretrained(dir)."
         )
     snapshot = _cached_snapshot(name)
     if snapshot is not None:
@@ -508,6 +521,142 @@ def _model_directory(name: str) -> Path:
         f"once with `hf download {name}` (or point HF_HUB_CACHE / HF_HOME at the cache that has it), or pass a "
         "directory written by save_pretrained."
     )
+
+
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone does not: transformers then builds a
+# tokenizer of only its special tokens).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                "sentencepiece.bpe.model", "tekken.json")
+_VOCAB_GLOBS = ("*.tiktoken", "*.spm", "*sentencepiece*.model")
+_WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "WithLMHead")
+_CAUSAL_HINT = ("clusterlm fine-tunes causal (decoder-only) language models, as AutoModelForCausalLM loads them: pass "
+                "such a model (e.g. Llama, Qwen, SmolLM, GPT-2)")
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"load_model: cannot read {str(path / 'config.json')!r}: {_one_line(err)}.") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"load_model: {str(path / 'config.json')!r} is not valid JSON (line {err.lineno}, column {err.colno}: "
+            f"{err.msg}); write it again with model.save_pretrained(dir)."
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"load_model: {str(path / 'config.json')!r} holds no JSON object; not a model's config.")
+    return config
+
+
+def causal_lm_problem(config: dict[str, Any]) -> str | None:
+    """Why a model with this ``config.json`` content is not a causal LM (None: it is one).
+
+    Checked against transformers' causal-LM mapping: an encoder-decoder, a model type without a causal-LM
+    class, ``architectures`` that name no causal-LM class (a masked LM, a classifier, a base model without its
+    head), or an encoder type (BERT, RoBERTa, ...) whose causal class would run with ``is_decoder=False``, i.e.
+    attending both ways.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES as known
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked,
+    )
+
+    model_type = config.get("model_type")
+    archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    named = f" ({', '.join(archs)})" if archs else ""
+    if config.get("is_encoder_decoder"):
+        return f"it is an encoder-decoder (seq2seq) model{named or f' of type {model_type!r}'}, not a decoder-only LM"
+    if not isinstance(model_type, str):
+        return "its config.json has no model_type"
+    if model_type not in known:
+        return (f"model type {model_type!r}{named} is unknown to this transformers (a newer version may know it; "
+                "models that need trust_remote_code are not run)")
+    if model_type not in causal:
+        return f"model type {model_type!r}{named} has no causal-LM class in transformers (AutoModelForCausalLM)"
+    classes = set(causal.values())
+    if archs and not any(a in classes or a.endswith(_CAUSAL_SUFFIXES) for a in archs):
+        return (f"its architecture is {', '.join(archs)}, not a causal-LM head (AutoModelForCausalLM would build "
+                f"{causal[model_type]} around it, with an untrained head)")
+    if model_type in masked and not (config.get("is_decoder") or config.get("causal")):
+        return (f"model type {model_type!r}{named} with is_decoder=False attends in both directions (a masked "
+                f"LM); only a {causal[model_type]} saved with is_decoder=True is causal")
+    return None
+
+
+def _check_directory(path: Path) -> dict[str, Any]:
+    """Before any weights load: a causal-LM config, weights files and a tokenizer with a vocabulary."""
+    config = _read_config(path)
+    problem = causal_lm_problem(config)
+    if problem is not None:
+        raise ValueError(f"load_model: {str(path)!r} is not a causal language model: {problem}. {_CAUSAL_HINT}.")
+    if not any(next(path.glob(g), None) for g in _WEIGHT_GLOBS):
+        raise ValueError(
+            f"load_model: {str(path)!r} has a config.json but no weights (model.safetensors or pytorch_model.bin); "
+            "save them there with model.save_pretrained(dir)."
+        )
+    if not any((path / f).is_file() for f in _VOCAB_FILES) and not any(next(path.glob(g), None) for g in _VOCAB_GLOBS):
+        raise ValueError(
+            f"load_model: {str(path)!r} has no tokenizer files ({', '.join(_VOCAB_FILES[:4])}, ...), so its text "
+            f"cannot be tokenised; save the model's tokenizer there with tokenizer.save_pretrained({str(path)!r})."
+        )
+    return config
+
+
+def _config_rows(config: dict[str, Any]) -> int | None:
+    """The embedding rows a config declares (``vocab_size``, or its text config's), if any."""
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    return None
+
+
+def _check_vocab(tokenizer: Any, rows: int | None, path: Path) -> None:
+    """Refuse a tokenizer of only special tokens, or one whose ids reach past the embedding's ``rows``."""
+    size = len(tokenizer)
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    if size <= len(specials):
+        raise ValueError(
+            f"load_model: the tokenizer of {str(path)!r} holds only its {size} special tokens, no vocabulary (its "
+            f"vocabulary files are missing); save the model's tokenizer there with tokenizer.save_pretrained(dir)."
+        )
+    top = max(size, max(tokenizer.get_vocab().values(), default=-1) + 1, max(specials, default=-1) + 1)
+    if rows is not None and top > rows:
+        raise ValueError(
+            f"load_model: the tokenizer of {str(path)!r} has {top} tokens but the model's embedding has {rows} rows, "
+            f"so token ids {rows}..{top - 1} would index past it: save the tokenizer the model was trained with "
+            "there, or grow the embedding first (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)."
+        )
+
+
+def _load_checked(path: Path, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]:
+    """Model and tokenizer of directory ``path``, checked before the weights load and after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = _check_directory(path)
+    try:
+        with _quiet_progress(quiet):
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            _check_vocab(tokenizer, _config_rows(config), path)
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except OSError as err:
+        raise ValueError(f"load_model: could not load a causal LM and tokenizer from {str(path)!r}: {_one_line(err)}"
+                         ) from err
+    except ValueError as err:
+        if str(err).startswith("load_model:"):
+            raise
+        raise ValueError(f"load_model: could not load a causal LM and tokenizer from {str(path)!r}: {_one_line(err)}"
+                         ) from err
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    _check_vocab(tokenizer, getattr(embedding, "num_embeddings", None), path)
+    return model, tokenizer
 
 
 def load_model(
@@ -530,8 +679,10 @@ def load_model(
 
     Raises:
         ValueError: ``spec`` is neither a built-in name, a directory with ``config.json`` nor a cached hub
-            model (one line: the built-in names and the command that fetches a hub model), or the directory
-            cannot be loaded.
+            model (one line: the built-in names and the command that fetches a hub model); the directory is no
+            causal LM (:func:`causal_lm_problem`: checked on its config before any weights load), has no weights
+            or no tokenizer files, or a tokenizer whose ids do not fit the embedding; or it cannot be loaded.
+            Every message is one line naming the fix.
         TypeError: ``spec`` is not a string/path, or a bad ``dtype``.
     """
     if not isinstance(spec, (str, os.PathLike)):
@@ -539,8 +690,6 @@ def load_model(
             f"load_model: spec must be a built-in model name or a directory path, got {type(spec).__name__}."
         )
     torch_dtype = _as_dtype(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     name = os.fspath(spec)
     # Directories we built (built-ins, converted GGUF files) load without progress bars.
     built = name in BUILTIN_MODELS or name in GGUF_MODELS or name.lower().endswith(".gguf")
@@ -558,12 +707,7 @@ def load_model(
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    try:
-        with _quiet_progress(built):
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"load_model: could not load a causal LM and tokenizer from {str(path)!r}: {err}") from err
+    model, tokenizer = _load_checked(path, kwargs, built)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(model.config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:

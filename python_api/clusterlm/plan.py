@@ -15,13 +15,24 @@ is an unbiased-by-cluster estimate of the full-data mean gradient ``sum_c (n_c /
 Files (``Plan.save(dir)``)::
 
     plan.json   format, version, model id, world size, data fingerprint, selection config, timings,
-                stats, cluster sizes, a per-cluster and per-rank summary of weights and tokens, and the
-                sha256 of plan.npz (so a json/npz pair from two different saves is refused)
+                stats, cluster sizes, a per-cluster and per-rank summary of weights and tokens,
+                ``arrays``: the file name and sha256 of plan.npz and the sha256 of each of its arrays
+                (``arrays.checksums``), and ``checksums``: the sha256 of every other field's content
     plan.npz    rank_indices (K, m) int64, weights (N,) float64, cluster_labels (N,) int64,
                 distances (N,) float64, lengths (N,) int64, cluster_sizes (C,) int64
 
 Both are written to temporary files and renamed into place (npz first); nothing is pickled and the
 arrays are read back with ``allow_pickle=False``.
+
+Which file holds what: the arrays (rank lists, weights, labels, distances, lengths, cluster sizes) are
+plan.npz's; world size, model id, fingerprint, config, timings and stats are plan.json's. plan.json's
+``n_examples``, ``n_selected``, ``per_rank``, ``cluster_sizes``, ``clusters`` and ``ranks`` only summarise
+the arrays, and :meth:`Plan.load` checks them against plan.npz, so an edited weight, label or count in
+plan.json is refused (naming the field), not ignored. Each field's checksum (of its content, so
+re-indenting or reordering plan.json is a supported edit) refuses any other edit; to change a plan, load
+it, change it and save it. A plan.npz of another save, a truncated or foreign file and a field of the
+wrong type are refused in one ``ValueError`` naming the file and the field. Plans of the previous version
+(no checksums) still load, with a warning; their summaries are still checked against plan.npz.
 """
 
 from __future__ import annotations
@@ -31,6 +42,10 @@ import io
 import json
 import math
 import os
+import re
+import warnings
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +65,17 @@ _NPZ = "plan.npz"
 _ARRAYS = ("rank_indices", "weights", "cluster_labels", "distances", "lengths", "cluster_sizes")
 # Mean weight over the selection must be 1; float64 sums of up to millions of weights stay far inside this.
 _MEAN_RTOL = 1e-9
+# plan.json fields that summarise plan.npz (checked against it on load); "arrays" and "checksums" carry checksums.
+_DERIVED = ("n_examples", "n_selected", "per_rank", "cluster_sizes", "clusters", "ranks")
+_NOT_SUMMED = ("arrays", "checksums")
+_BROKEN = "truncated or not a clusterlm plan file"
+_EDIT_FIX = (
+    "plan.json is not meant to be edited by hand (re-indenting or reordering it is fine): load the plan with "
+    "clusterlm.plan.Plan.load, change it and save it with Plan.save (which records new checksums), or make it "
+    "again (clusterlm select)."
+)
+_MODEL_HASH = re.compile(r"[0-9a-f]{12}")
+_MISSING = object()
 
 
 def selection_weights(
@@ -161,6 +187,199 @@ def _as_float64(value: Any, name: str) -> np.ndarray:
         raise ValueError(f"Plan.{name}: expected a float array, got dtype {arr.dtype}.")
     return arr.astype(np.float64, copy=False)
 
+
+
+# ---- plan files: checksums and the checks of Plan.load -------------------------------------------------
+
+
+def _digest(value: Any) -> str:
+    """sha256 of a JSON value's content (key order and layout do not count)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _array_digest(arr: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes."""
+    h = hashlib.sha256(f"{arr.dtype.str}{arr.shape}".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def _field_error(where: Path, name: str, problem: str) -> ValueError:
+    return ValueError(f"Plan.load: {where}: field {name!r} {problem}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_meta(json_path: Path) -> dict[str, Any]:
+    """plan.json parsed, checked to be a plan of this format version."""
+    try:
+        meta = json.loads(json_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"Plan.load: {json_path} is not valid JSON ({e}): {_BROKEN}. Save the plan again, or pass the "
+            "directory Plan.save wrote."
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        raise ValueError(f"Plan.load: {json_path} is not a clusterlm plan (format {PLAN_FORMAT!r} expected).")
+    version = meta.get("version")
+    if version != PLAN_VERSION:
+        raise ValueError(
+            f"Plan.load: {json_path} has plan format version {version!r}; this clusterlm reads version "
+            f"{PLAN_VERSION}. Make the plan again with this clusterlm, or use the clusterlm that wrote it."
+        )
+    return meta
+
+
+def _check_fields(meta: dict[str, Any], where: Path) -> None:
+    """Every field Plan.load reads is there and of its type; the error names the field."""
+    if "world_size" not in meta:
+        raise _field_error(where, "world_size", "is missing: it must be the number of ranks the plan is for.")
+    if not _is_int(meta["world_size"]) or meta["world_size"] < 1:
+        raise _field_error(where, "world_size", f"must be a positive int, the number of ranks; got {meta['world_size']!r}.")
+    fp = meta.get("fingerprint", _MISSING)
+    if fp is _MISSING:
+        raise _field_error(where, "fingerprint", "is missing: it must be the data fingerprint {'size', 'sha256'}.")
+    if not isinstance(fp, dict) or "size" not in fp or "sha256" not in fp:
+        raise _field_error(where, "fingerprint", f"must be {{'size': N, 'sha256': hex}}, got {fp!r}.")
+    if not _is_int(fp["size"]) or fp["size"] < 0:
+        raise _field_error(where, "fingerprint.size", f"must be an int >= 0, got {fp['size']!r}.")
+    if not isinstance(fp["sha256"], str):
+        raise _field_error(where, "fingerprint.sha256", f"must be a str, got {fp['sha256']!r}.")
+    if not isinstance(meta.get("model_id", ""), str):
+        raise _field_error(where, "model_id", f"must be a str, got {meta['model_id']!r}.")
+    for name in ("config", "timings", "stats", "arrays", "checksums"):
+        if meta.get(name) is not None and not isinstance(meta[name], dict):
+            raise _field_error(where, name, f"must be a dict, got {type(meta[name]).__name__}.")
+    arrays = meta.get("arrays") or {}
+    for key, kind in (("file", str), ("sha256", str), ("checksums", dict)):
+        if arrays.get(key) is not None and not isinstance(arrays[key], kind):
+            raise _field_error(where, f"arrays.{key}", f"must be a {kind.__name__}, got {arrays[key]!r}.")
+
+
+def _check_checksums(meta: dict[str, Any], where: Path) -> set[str] | None:
+    """Compare every field with its checksum; None for a plan without checksums (the previous version).
+
+    Returns:
+        The summary fields (``_DERIVED``) whose checksum differs: Plan.load names what differs in them once
+        plan.npz is read.
+
+    Raises:
+        ValueError: another field was changed, added or removed after the save (names it).
+    """
+    sums = meta.get("checksums")
+    if sums is None:
+        return None
+    changed: set[str] = set()
+    for name in sorted(set(sums) | {k for k in meta if k not in _NOT_SUMMED}):
+        if name not in meta:
+            raise _field_error(where, name, f"is missing: it was saved with the plan, then removed. {_EDIT_FIX}")
+        if name not in sums:
+            raise _field_error(
+                where, name, f"was added after the plan was saved (clusterlm would ignore it). {_EDIT_FIX}"
+            )
+        if _digest(meta[name]) != sums[name]:
+            if name in _DERIVED:
+                changed.add(name)
+                continue
+            raise _field_error(where, name, f"was changed after the plan was saved (its checksum differs). {_EDIT_FIX}")
+    return changed
+
+
+def _broken_npz(npz_path: Path, why: Any) -> ValueError:
+    return ValueError(f"Plan.load: {npz_path} is {_BROKEN} ({why}). Save the plan again (or copy plan.npz again).")
+
+
+def _parse_npz(npz_path: Path, raw: bytes) -> dict[str, np.ndarray]:
+    """The arrays of plan.npz (bytes ``raw``), without pickle.
+
+    Raises:
+        ValueError: truncated, empty or not an npz of a plan (one message naming the file), an array missing,
+            or an array of Python objects.
+    """
+    if not raw.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        raise _broken_npz(npz_path, "empty" if not raw else "not a zip archive of arrays")
+    try:
+        npz = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+        raise _broken_npz(npz_path, e) from None
+    with npz:
+        missing = [k for k in _ARRAYS if k not in npz.files]
+        if missing:
+            raise ValueError(f"Plan.load: {npz_path} lacks the arrays {missing}. Save the plan again.")
+        data = {}
+        for k in _ARRAYS:
+            try:
+                data[k] = npz[k]
+            except ValueError as e:
+                if "pickle" in str(e):
+                    raise ValueError(
+                        f"Plan.load: {npz_path}: array {k!r} holds Python objects (pickle); plan arrays are plain "
+                        "numbers, read with allow_pickle=False. Save the plan again."
+                    ) from None
+                raise _broken_npz(npz_path, e) from None
+            except (zipfile.BadZipFile, EOFError, OSError, KeyError, zlib.error) as e:
+                raise _broken_npz(npz_path, e) from None
+    return data
+
+
+def _read_arrays(npz_path: Path, json_path: Path, record: dict[str, Any]) -> dict[str, np.ndarray]:
+    """plan.npz's arrays, checked against the checksums plan.json's ``arrays`` recorded (where it has them)."""
+    if not npz_path.is_file():
+        raise FileNotFoundError(f"Plan.load: {npz_path} is missing; plan.json alone is not a plan. Save it again.")
+    raw = npz_path.read_bytes()
+    whole = record.get("sha256")
+    data = _parse_npz(npz_path, raw)  # a truncated file is named as such, whatever its checksum
+    sums = record.get("checksums") or {}
+    differ = [k for k in _ARRAYS if k in sums and _array_digest(data[k]) != sums[k]]
+    if whole and hashlib.sha256(raw).hexdigest() != whole:
+        shown = f"; arrays {', '.join(map(repr, differ))} differ" if differ else ""
+        raise ValueError(
+            f"Plan.load: {npz_path} does not belong to {json_path} (sha256 differs{shown}): the directory holds parts "
+            "of two different saves. Save the plan again."
+        )
+    if differ:
+        raise ValueError(
+            f"Plan.load: {npz_path}: arrays {', '.join(map(repr, differ))} differ from those saved with {json_path} "
+            "(field 'arrays.checksums'): plan.npz comes from another save, or field 'arrays.sha256' was edited. "
+            "Save the plan again."
+        )
+    return data
+
+
+def _first_difference(found: Any, want: Any, name: str) -> tuple[str, Any, Any] | None:
+    """(field path, found, expected) of the first place two JSON values differ (floats to 1e-9), else None."""
+    if isinstance(want, dict):
+        if not isinstance(found, dict):
+            return name, found, want
+        for k in sorted(set(found) | set(want)):
+            if k not in found or k not in want:
+                return f"{name}.{k}", found.get(k), want.get(k)
+            diff = _first_difference(found[k], want[k], f"{name}.{k}")
+            if diff:
+                return diff
+        return None
+    if isinstance(want, list):
+        if not isinstance(found, list) or len(found) != len(want):
+            return name, found, want
+        for i, (a, b) in enumerate(zip(found, want, strict=True)):
+            diff = _first_difference(a, b, f"{name}[{i}]")
+            if diff:
+                return diff
+        return None
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (found, want))
+    if numbers and (isinstance(want, float) or isinstance(found, float)):
+        return None if math.isclose(found, want, rel_tol=1e-9, abs_tol=1e-12) else (name, found, want)
+    return None if found == want and type(found) is type(want) else (name, found, want)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model ids name the same model: their weights hashes agree (``label@hash``), else the ids are equal."""
+    ha, hb = a.rpartition("@")[2], b.rpartition("@")[2]
+    if _MODEL_HASH.fullmatch(ha) and _MODEL_HASH.fullmatch(hb):
+        return ha == hb
+    return a == b
 
 @dataclass(eq=False)
 class Plan:
@@ -545,18 +764,33 @@ class Plan:
 
     # ---- files ------------------------------------------------------------------------------------
 
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "rank_indices": np.stack(self.rank_indices).astype(np.int64),
+            "weights": self.weights,
+            "cluster_labels": self.cluster_labels,
+            "distances": self.distances,
+            "lengths": self.lengths,
+            "cluster_sizes": self.cluster_sizes,
+        }
+
     def _npz_bytes(self) -> bytes:
         buf = io.BytesIO()
-        np.savez(
-            buf,
-            rank_indices=np.stack(self.rank_indices).astype(np.int64),
-            weights=self.weights,
-            cluster_labels=self.cluster_labels,
-            distances=self.distances,
-            lengths=self.lengths,
-            cluster_sizes=self.cluster_sizes,
-        )
+        np.savez(buf, **self._arrays())
         return buf.getvalue()
+
+    def _summary_fields(self) -> dict[str, Any]:
+        """plan.json's summaries of the arrays (``_DERIVED``), as JSON values."""
+        return {
+            "n_examples": self.n_examples,
+            "n_selected": self.n_selected,
+            "per_rank": self.per_rank,
+            "cluster_sizes": self.cluster_sizes.tolist(),
+            "clusters": [
+                {"cluster": c, "size": n_c, "selected": s_c, "weight": w} for c, n_c, s_c, w in self._cluster_rows()
+            ],
+            "ranks": self._rank_rows(),
+        }
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``plan.json`` and ``plan.npz`` into ``directory`` (created if needed), atomically.
@@ -574,25 +808,30 @@ class Plan:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         npz = self._npz_bytes()
+        summary = self._summary_fields()
         meta = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "model_id": self.model_id,
             "world_size": int(self.world_size),
-            "n_examples": self.n_examples,
-            "n_selected": self.n_selected,
-            "per_rank": self.per_rank,
+            "n_examples": summary["n_examples"],
+            "n_selected": summary["n_selected"],
+            "per_rank": summary["per_rank"],
             "fingerprint": _jsonable(self.fingerprint, "fingerprint"),
             "config": _jsonable(self.config, "config"),
             "timings": _jsonable(self.timings, "timings"),
             "stats": _jsonable(self.stats, "stats"),
-            "cluster_sizes": self.cluster_sizes.tolist(),
-            "clusters": [
-                {"cluster": c, "size": n_c, "selected": s_c, "weight": w} for c, n_c, s_c, w in self._cluster_rows()
-            ],
-            "ranks": self._rank_rows(),
-            "arrays": {"file": _NPZ, "sha256": hashlib.sha256(npz).hexdigest()},
+            "cluster_sizes": summary["cluster_sizes"],
+            "clusters": summary["clusters"],
+            "ranks": summary["ranks"],
         }
+        meta = json.loads(json.dumps(meta))  # the checksums are over what a reader gets back
+        meta["arrays"] = {
+            "file": _NPZ,
+            "sha256": hashlib.sha256(npz).hexdigest(),
+            "checksums": {k: _array_digest(v) for k, v in self._arrays().items()},
+        }
+        meta["checksums"] = {k: _digest(v) for k, v in meta.items() if k not in _NOT_SUMMED}
         text = json.dumps(meta, indent=2) + "\n"
         # npz first: a crash between the two renames leaves an old json whose checksum refuses the new npz.
         atomic_write_bytes(path / _NPZ, npz)
@@ -601,7 +840,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        """Read a plan written by :meth:`save`.
+        """Read a plan written by :meth:`save`, checking that its two files are the ones saved together.
 
         Args:
             path: the plan directory or its ``plan.json``.
@@ -611,8 +850,13 @@ class Plan:
 
         Raises:
             FileNotFoundError: plan.json or plan.npz missing.
-            ValueError: not a plan file, an unsupported format version, arrays that do not belong to
-                this plan.json, or a plan that breaks an invariant.
+            ValueError: not a plan file or a truncated one, an unsupported format version, a field missing or
+                of the wrong type, a field edited after the save (its checksum differs, or a summary disagrees
+                with plan.npz), arrays that do not belong to this plan.json, or a plan that breaks an
+                invariant. Each message names the file and the field.
+
+        Warns:
+            UserWarning: a plan of the previous version (no checksums): edits cannot always be detected.
         """
         path = Path(path)
         directory = path.parent if path.suffix == ".json" and not path.is_dir() else path
@@ -622,40 +866,28 @@ class Plan:
                 f"Plan.load: no plan at {json_path}; pass the directory written by Plan.save (it holds {_JSON} "
                 f"and {_NPZ})."
             )
-        try:
-            meta = json.loads(json_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"Plan.load: {json_path} is not valid JSON ({e}).") from None
-        if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
-            raise ValueError(f"Plan.load: {json_path} is not a clusterlm plan (format {PLAN_FORMAT!r} expected).")
-        version = meta.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(
-                f"Plan.load: {json_path} has plan format version {version!r}; this clusterlm reads version "
-                f"{PLAN_VERSION}. Make the plan again with this clusterlm, or use the clusterlm that wrote it."
+        meta = _read_meta(json_path)
+        _check_fields(meta, json_path)
+        changed = _check_checksums(meta, json_path)
+        record = meta.get("arrays") or {}
+        if changed is None or not record.get("sha256"):
+            warnings.warn(
+                f"Plan.load: {json_path} has no checksums (saved by an older clusterlm), so an edit of it or a "
+                "plan.npz from another save cannot always be detected. Save the plan again (Plan.load, then "
+                "Plan.save) to add them.",
+                UserWarning,
+                stacklevel=2,
             )
-        arrays = meta.get("arrays") or {}
-        npz_path = directory / arrays.get("file", _NPZ)
-        if not npz_path.is_file():
-            raise FileNotFoundError(f"Plan.load: {npz_path} is missing; plan.json alone is not a plan. Save it again.")
-        raw = npz_path.read_bytes()
-        if arrays.get("sha256") and hashlib.sha256(raw).hexdigest() != arrays["sha256"]:
-            raise ValueError(
-                f"Plan.load: {npz_path} does not belong to {json_path} (sha256 differs): the directory holds parts "
-                "of two different saves. Save the plan again."
-            )
-        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
-            missing = [k for k in _ARRAYS if k not in npz.files]
-            if missing:
-                raise ValueError(f"Plan.load: {npz_path} lacks the arrays {missing}. Save the plan again.")
-            data = {k: npz[k] for k in _ARRAYS}
+        npz_path = directory / record.get("file", _NPZ)
+        data = _read_arrays(npz_path, json_path, record)
         rank_indices = data["rank_indices"]
-        if rank_indices.ndim != 2 or rank_indices.shape[0] != meta.get("world_size"):
+        if rank_indices.ndim != 2 or rank_indices.shape[0] != meta["world_size"]:
             raise ValueError(
-                f"Plan.load: rank_indices has shape {rank_indices.shape}, expected "
-                f"(world_size={meta.get('world_size')}, m)."
+                f"Plan.load: {npz_path}: array 'rank_indices' has shape {rank_indices.shape}, but {json_path}: "
+                f"field 'world_size' is {meta['world_size']}: the files disagree (plan.json edited, or plan.npz "
+                "from another save). Save the plan again."
             )
-        return cls(
+        plan = cls(
             world_size=int(meta["world_size"]),
             rank_indices=list(rank_indices),
             weights=data["weights"],
@@ -664,9 +896,72 @@ class Plan:
             cluster_sizes=data["cluster_sizes"],
             lengths=data["lengths"],
             fingerprint=dict(meta["fingerprint"]),
-            model_id=meta["model_id"],
+            model_id=meta.get("model_id", ""),
             config=meta.get("config") or {},
             timings=meta.get("timings") or {},
             stats=meta.get("stats") or {},
-            version=version,
+            version=meta["version"],
         )
+        plan._check_summaries(meta, json_path, npz_path, changed or set())
+        return plan
+
+    def _check_summaries(self, meta: dict[str, Any], json_path: Path, npz_path: Path, changed: set[str]) -> None:
+        """plan.json's summaries (``_DERIVED``) must say what plan.npz's arrays give; names the first difference."""
+        want = self._summary_fields()
+        for name in _DERIVED:
+            if name not in meta:
+                continue  # a plan.json without it: nothing to disagree (fields the checksums miss were refused)
+            diff = _first_difference(meta[name], want[name], name)
+            if diff:
+                field_path, found, expected = diff
+                raise ValueError(
+                    f"Plan.load: {json_path}: field {field_path!r} is {found!r} but {npz_path} gives {expected!r}: "
+                    "the files disagree (the weights, labels and rank lists are plan.npz's; plan.json only "
+                    f"summarises them, and an edit there would be ignored). {_EDIT_FIX}"
+                )
+        for name in sorted(changed):
+            problem = "was changed after the plan was saved (its checksum differs)"
+            raise _field_error(json_path, name, f"{problem}. {_EDIT_FIX}")
+
+    def check_model(self, model_id: str, *, allow_other_model: bool = False) -> bool:
+        """Refuse to use the plan with a model other than the one its features came from.
+
+        Ids compare by their weights hash (``label@hash``, :func:`clusterlm.models.compute_model_id`) when both
+        carry one (the label is informative only), else as strings.
+
+        Args:
+            model_id: the id of the model about to be trained.
+            allow_other_model: use the plan anyway: a warning instead of the error.
+
+        Returns:
+            True when the ids agree; False when they could not be compared (the plan has no model id: an old
+            plan or one made without a model; a warning says so) or differ and ``allow_other_model`` is set.
+
+        Raises:
+            ValueError: the plan was made with another model and ``allow_other_model`` is False.
+        """
+        mine, theirs = self.model_id or "", model_id or ""
+        if not mine or not theirs:
+            missing = "this plan has no model id (an old plan, or one made without a model)" if not mine else (
+                "no model id given")
+            warnings.warn(
+                f"Plan.check_model: {missing}; cannot check that the plan was made with model {theirs or '?'}.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return False
+        if _same_model(mine, theirs):
+            return True
+        if not allow_other_model:
+            raise ValueError(
+                f"Plan.check_model: the plan was made with model {mine}, this is model {theirs}: another model's "
+                "features select other examples. Make a plan with this model (clusterlm select), or pass "
+                "--allow-other-model / allow_other_model=True to use it anyway."
+            )
+        warnings.warn(
+            f"Plan.check_model: the plan was made with model {mine}, this is model {theirs}; using it anyway "
+            "(allow_other_model=True).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return False

@@ -67,7 +67,7 @@ from cluster_kernels import capacity_kmeans
 from clusterlm.allocation import ALLOCATIONS, allocate, balance_stats, cluster_owners, rebalance_tokens, visit_order
 from clusterlm.budget import check_int, cluster_size_bound, count_for_tokens, resolve_any_budget, resolve_budget
 from clusterlm.data import fingerprint, lengths_of
-from clusterlm.features import GradientFeaturizer
+from clusterlm.features import LAYER_PRESETS, GradientFeaturizer
 from clusterlm.models import compute_model_id
 from clusterlm.paper import (
     PAPER_CAP,
@@ -85,6 +85,7 @@ __all__ = [
     "CLUSTERINGS",
     "PRESETS",
     "build_featurizer",
+    "check_select_args",
     "resolve_seed",
     "resolve_feature_tokens",
     "select",
@@ -328,6 +329,135 @@ def _check_clustering(preset: str, clustering: str | None) -> str:
     return clustering
 
 
+def _resolve_features(preset: str, features: Any) -> str | list[str]:
+    """``features`` checked (a preset name or a non-empty list of module names), or the preset's default."""
+    if features is None:
+        return "paper" if preset == "paper" else "lm_head"
+    if isinstance(features, str):
+        if features not in LAYER_PRESETS:
+            raise ValueError(
+                f"select: features must be one of {LAYER_PRESETS} or a list of module names, got {features!r}; "
+                "pass module names as a list (features=['model.layers.0.mlp.down_proj']; on the command line "
+                "--features a,b)."
+            )
+    elif not isinstance(features, Sequence) or not features or not all(isinstance(f, str) and f for f in features):
+        raise TypeError(
+            f"select: features must be a preset name or a non-empty list of module names, got {features!r}."
+        )
+    elif len(set(features)) != len(features):
+        raise ValueError(f"select: features lists a module twice: {list(features)}.")
+    if preset == "paper" and features != "paper":
+        raise ValueError(
+            f"select: preset='paper' uses the authors' gradient proxy (features='paper'), got features={features!r}; "
+            "use preset='default' for other features."
+        )
+    return features if isinstance(features, str) else list(features)
+
+
+def _check_fraction(value: Any, name: str, example: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"select: {name} must be in (0, 1], got {value!r}; e.g. {name}=0.31 keeps 31 % of {example}.")
+
+
+def _check_budget_forms(ratio: Any, budget: Any, token_ratio: Any, token_budget: Any, preset: str) -> None:
+    """One budget, in range as far as it can be told without the data (the data's size is checked later)."""
+    given = {k: v for k, v in (("ratio", ratio), ("budget", budget), ("token_ratio", token_ratio),
+                               ("token_budget", token_budget)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(
+            "select: give exactly one of ratio / budget (examples) or token_ratio / token_budget (tokens), got "
+            + (", ".join(f"{k}={v!r}" for k, v in given.items()) or "none") + "."
+        )
+    _check_fraction(ratio, "ratio", "the examples")
+    _check_fraction(token_ratio, "token_ratio", "the tokens")
+    for name in ("budget", "token_budget"):
+        if name in given:
+            check_int(given[name], name)
+    if preset == "paper":
+        if ratio is None:
+            raise ValueError(
+                f"select: preset='paper' takes ratio= (the authors' --ratio, a whole percentage), got "
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())}; pass ratio=, or use preset='default'."
+            )
+        paper_percentage(ratio)
+
+
+def check_select_args(
+    *,
+    world_size: Any,
+    ratio: Any = None,
+    budget: Any = None,
+    token_ratio: Any = None,
+    token_budget: Any = None,
+    preset: str = "default",
+    features: Any = None,
+    feature_tokens: Any = None,
+    seed: Any = None,
+    clustering: str | None = None,
+    max_cluster_size: Any = "1.5x",
+    min_cluster_size: Any = "budget",
+    within_cluster: str = "farthest",
+    allocation: str = "cluster-per-rank",
+    clusters_per_rank: Any = 1,
+    token_balance_slack: float = TOKEN_BALANCE_SLACK,
+    n: int | None = None,
+    lengths: Any = None,
+) -> None:
+    """Check the arguments of :func:`select` before the expensive stages.
+
+    Without ``n``: every check that needs no data, before a model or data set is loaded. With ``n`` (the
+    number of examples) and ``lengths`` (their tokens) also what needs the data's size: a budget above it,
+    more clusters than examples, cluster-size bounds that no clustering can meet; :func:`select` runs this
+    before computing any feature.
+
+    Raises:
+        ValueError / TypeError: the first bad argument, named, with the fix.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"select: preset must be one of {PRESETS}, got {preset!r}.")
+    _check_choices(preset, allocation, within_cluster, token_balance_slack)
+    _resolve_features(preset, features)
+    check_int(world_size, "world_size")
+    check_int(clusters_per_rank, "clusters_per_rank")
+    resolve_seed(preset, seed)
+    _check_clustering(preset, clustering)
+    _check_budget_forms(ratio, budget, token_ratio, token_budget, preset)
+    for name, value in (("max_cluster_size", max_cluster_size), ("min_cluster_size", min_cluster_size)):
+        cluster_size_bound(value, name, 1, 1, 1)  # the form only; the values are checked against the data later
+    if preset == "paper":
+        _check_paper_fixed(max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size,
+                           within_cluster=within_cluster, allocation=allocation, clusters_per_rank=clusters_per_rank)
+    resolve_feature_tokens(preset, feature_tokens)
+    if n is not None:
+        if n == 0:
+            raise ValueError("select: the data set is empty.")
+        _resolve_settings(
+            n, _check_lengths(lengths, n), world_size=world_size, clusters_per_rank=clusters_per_rank, preset=preset,
+            clustering=clustering, ratio=ratio, budget=budget, token_ratio=token_ratio, token_budget=token_budget,
+            max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size, within_cluster=within_cluster,
+            allocation=allocation, token_balance=None, token_balance_slack=token_balance_slack, n_init=None,
+        )
+
+
+def _check_bounds(lo: int | None, hi: int | None, n: int, n_clusters: int, min_cluster_size: Any,
+                  max_cluster_size: Any) -> None:
+    """Cluster-size bounds that some clustering of ``n`` examples into ``n_clusters`` clusters meets."""
+    shown_lo = f"min_cluster_size={min_cluster_size!r}" + (f" (= {lo})" if str(lo) != str(min_cluster_size) else "")
+    shown_hi = f"max_cluster_size={max_cluster_size!r}" + (f" (= {hi})" if str(hi) != str(max_cluster_size) else "")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"select: {shown_lo} is above {shown_hi}; lower min_cluster_size or raise max_cluster_size.")
+    if hi is not None and hi * n_clusters < n:
+        raise ValueError(
+            f"select: {shown_hi} x {n_clusters} clusters holds {hi * n_clusters} of the {n} examples; raise "
+            f"max_cluster_size to at least {math.ceil(n / n_clusters)} (or 'none')."
+        )
+    if lo is not None and lo * n_clusters > n:
+        raise ValueError(
+            f"select: {shown_lo} x {n_clusters} clusters needs {lo * n_clusters} examples, the data has {n}; lower "
+            f"min_cluster_size to at most {n // n_clusters}."
+        )
+
+
 def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_per_rank: Any, preset: str,
                       clustering: str | None, ratio: Any, budget: Any, token_ratio: Any, token_budget: Any,
                       max_cluster_size: Any, min_cluster_size: Any, within_cluster: str, allocation: str,
@@ -371,10 +501,11 @@ def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_
             f"select: a budget of {requested} examples gives less than one example to each of {n_clusters} "
             f"clusters; raise ratio/budget to at least {n_clusters} examples or use fewer clusters."
         )
+    lo = cluster_size_bound(min_cluster_size, "min_cluster_size", n, n_clusters, per_cluster)
+    hi = cluster_size_bound(max_cluster_size, "max_cluster_size", n, n_clusters, per_cluster)
+    _check_bounds(lo, hi, n, n_clusters, min_cluster_size, max_cluster_size)
     return _Settings(
-        **common, ratio=ratio,
-        lo=cluster_size_bound(min_cluster_size, "min_cluster_size", n, n_clusters, per_cluster),
-        hi=cluster_size_bound(max_cluster_size, "max_cluster_size", n, n_clusters, per_cluster),
+        **common, ratio=ratio, lo=lo, hi=hi,
         n_init=3 if n_init is None else int(n_init),
         token_balance=True if token_balance is None else bool(token_balance),
         per_cluster=per_cluster, normalize=False, percentage=None,
@@ -664,27 +795,17 @@ def select(
     Raises:
         ValueError / TypeError: bad arguments (named, with the fix); malformed examples (named by index).
     """
-    if preset not in PRESETS:
-        raise ValueError(f"select: preset must be one of {PRESETS}, got {preset!r}.")
-    if features is None:
-        features = "paper" if preset == "paper" else "lm_head"
-    if preset == "paper" and features != "paper":
-        raise ValueError(
-            f"select: preset='paper' uses the authors' gradient proxy (features='paper'), got features={features!r}; "
-            "use preset='default' for other features."
-        )
+    # Fail on bad arguments before the expensive stage (also those that need the data's size).
     n = len(dataset)
-    if n == 0:
-        raise ValueError("select: the data set is empty.")
-    # Fail on bad arguments before the expensive stage.
-    resolve_any_budget(n, lengths_of(dataset), ratio, budget, token_ratio, token_budget, preset)
-    check_int(world_size, "world_size")
+    check_select_args(
+        world_size=world_size, ratio=ratio, budget=budget, token_ratio=token_ratio, token_budget=token_budget,
+        preset=preset, features=features, feature_tokens=feature_tokens, seed=seed, clustering=clustering,
+        max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size, within_cluster=within_cluster,
+        allocation=allocation, clusters_per_rank=clusters_per_rank, token_balance_slack=token_balance_slack,
+        n=n, lengths=lengths_of(dataset) if n else None,
+    )
+    features = _resolve_features(preset, features)
     seed = resolve_seed(preset, seed)
-    _check_clustering(preset, clustering)
-    if preset == "paper":
-        if ratio is None:
-            raise ValueError(f"select: preset='paper' takes ratio= (the authors' --ratio), got budget={budget!r}.")
-        paper_percentage(ratio)
     max_tokens = resolve_feature_tokens(preset, feature_tokens)
     featurizer = build_featurizer(model, features, dim=dim, seed=seed, dtype=dtype, max_tokens=max_tokens)
     t0 = time.perf_counter()

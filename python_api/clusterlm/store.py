@@ -304,6 +304,7 @@ class FeatureStore:
         self._implicit: int | None = None  # the shard shard_record claimed for its caller
         self._verified: tuple | None = None  # stat of the features.npy whose blocks were checked
         self._warned_unchecked = False
+        self._writer = False  # begin() was called: shard_record claims for its caller
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else f"{len(self._shards())} shard(s)" if self.exists else "empty"
@@ -402,7 +403,9 @@ class FeatureStore:
         self.path.mkdir(parents=True, exist_ok=True)
         with _dir_lock(self.path):
             self.reload()
-            return self._begin_locked(dim, config)
+            done = self._begin_locked(dim, config)
+        self._writer = True
+        return done
 
     def _begin_locked(self, dim: int, config: dict[str, Any]) -> set[int]:
         if not self.exists:
@@ -507,9 +510,9 @@ class FeatureStore:
         """Claim shard ``index`` for this process to compute it (released by ``write_shard`` or :meth:`release`).
 
         Returns:
-            True when this object now holds the claim and the shard is not stored yet; False when it is
-            stored (or the store is complete) or a live process holds the claim. The claim of a process that
-            died is free.
+            True when this object now holds the claim and the shard is not stored yet (or another object of
+            this process holds it: a process never waits for itself); False when it is stored (or the store
+            is complete) or another live process holds the claim. The claim of a process that died is free.
         """
         index = int(index)
         if self.reload().complete or str(index) in self._shards():
@@ -520,7 +523,8 @@ class FeatureStore:
             return True
         fd = _acquire(self._claim_path(index), blocking=False)
         if fd is None:
-            return False
+            who = _holder(self._claim_path(index)) or {}
+            return who.get("pid") == os.getpid() and who.get("host") == socket.gethostname()
         self._claims[index] = fd
         if self.reload().complete or str(index) in self._shards():  # finished while we took the lock
             self.release(index)
@@ -569,13 +573,14 @@ class FeatureStore:
     def shard_record(self, index: int) -> dict[str, Any] | None:
         """The manifest record of shard ``index`` (file, rows, data_sha256, sha256), or None if not complete.
 
-        None means "compute it": the shard is then claimed for the caller (until its ``write_shard``, the
-        next ``shard_record`` of another shard, or :meth:`close`). While a live process holds the shard's
-        claim, this waits for that process's record and returns it, so two runs never compute one shard.
+        On a store this object writes to (after :meth:`begin`), None means "compute it": the shard is then
+        claimed for the caller (until its ``write_shard``, the next ``shard_record`` of another shard, or
+        :meth:`close`), and while another live process holds the shard's claim this waits for that process's
+        record and returns it, so two runs never compute one shard. Without ``begin`` it only reads.
         """
         index = int(index)
         rec = self._shards().get(str(index))
-        if rec is not None or self.complete:
+        if rec is not None or self.complete or not self._writer:
             return rec
         if self._implicit is not None and self._implicit != index:
             self.release(self._implicit)  # the caller did not write the last shard it asked about
@@ -688,7 +693,7 @@ class FeatureStore:
         if "sha256" not in rec:
             self._warn_unchecked()
         elif _rows_sha256(rows) != rec["sha256"]:
-            return None, f"({name}) does not match its checksum (sha256 in manifest.json): a bit flip on disk?"
+            return None, f"({name}) does not match its checksum (sha256 in manifest.json; a bit flip on disk)"
         return rows, ""
 
     def _drop(self, bad: dict[int, str], *, reopen: bool = False) -> str:
@@ -897,7 +902,7 @@ class FeatureStore:
                 continue
             start = int(key) * self.shard_size
             if _rows_sha256(feats[start : start + rec["rows"]]) != rec["sha256"]:
-                bad[int(key)] = "do not match their checksum (sha256 in manifest.json): a bit flip on disk?"
+                bad[int(key)] = "do not match their checksum (sha256 in manifest.json; a bit flip on disk)"
         if bad:
             raise ValueError(self._drop(bad, reopen=True))
         self._verified = stamp

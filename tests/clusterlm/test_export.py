@@ -131,9 +131,10 @@ def test_cli_export_writes_dataset_jsonl_and_manifest(tmp_path, capsys):
     first = json.loads((tmp_path / "e3" / "train.jsonl").read_text().splitlines()[0])
     assert first["prompt"] == records[first["plan_index"]]["prompt"]
     assert first["input_ids"] == tokens[first["plan_index"]]["input_ids"].tolist()
-    with pytest.raises(ValueError, match="content hash differs"):  # other data than the plan's
-        main(["export", "--plan", str(tmp_path / "plan2"), "--data", str(tmp_path / "raw.jsonl"), "--out",
-              str(tmp_path / "e4"), "--model", str(tmp_path / "model"), "--chat-template", "off"])
+    # other data than the plan's: one line and exit status 2 (clusterlm's user errors)
+    assert main(["export", "--plan", str(tmp_path / "plan2"), "--data", str(tmp_path / "raw.jsonl"), "--out",
+                 str(tmp_path / "e4"), "--model", str(tmp_path / "model"), "--chat-template", "off"]) == 2
+    assert "clusterlm export: error: " in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------

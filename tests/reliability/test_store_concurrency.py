@@ -67,37 +67,70 @@ SPLITTER = FAST_PRELUDE + textwrap.dedent(
     store.begin(dim=DIM, config={"fake": 1})
     while not os.path.exists(go):
         time.sleep(0.005)
-    mine = []
-    for i in range(n_shards):  # skip what another live writer holds; wait for it at the end
-        if store.claim(i):
-            time.sleep(0.03)  # a shard takes a while to compute
-            store.write_shard(i, fake(i), data_sha256=f"h{i}")
-            mine.append(i)
-    store.wait_for_shards(range(n_shards))
+    mine, todo = [], list(range(n_shards))
+    while todo:  # skip what another live writer holds; then wait for it, and do what its writer left
+        for i in todo:
+            if store.claim(i):
+                time.sleep(0.03)  # a shard takes a while to compute
+                store.write_shard(i, fake(i), data_sha256=f"h{i}")
+                mine.append(i)
+        todo = store.wait_for_shards(todo)
     store.finalize(n_shards * SHARD)
     with open(log, "w") as f:
         json.dump(mine, f)
     """
 )
 
-FEATURIZE = textwrap.dedent(
+LATE_WRITER = FAST_PRELUDE + textwrap.dedent(
     """
-    import json, os, sys, time
-    import numpy as np, torch
-    torch.set_num_threads(1)
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from clusterlm.features import GradientFeaturizer
-    from clusterlm.store import FeatureStore
+    store = FeatureStore(sys.argv[1], shard_size=SHARD)
+    store.begin(dim=DIM, config={"fake": 1})
+    assert store.claim(0)
+    print("claimed", flush=True)
+    time.sleep(0.5)
+    store.write_shard(0, fake(0), data_sha256="h0")
+    """
+)
 
-    store_dir, go, log = sys.argv[1], sys.argv[2], sys.argv[3]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+# What one "select" run does: featurize 200 examples into the store (a tiny causal LM, no transformers import).
+MODEL_AND_DATA = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab=50, hidden=8):
+            super().__init__()
+            self.embed, self.mix = nn.Embedding(vocab, hidden), nn.Linear(hidden, hidden)
+            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        def get_input_embeddings(self):
+            return self.embed
+        def get_output_embeddings(self):
+            return self.lm_head
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            h = torch.tanh(self.mix(self.embed(input_ids)))
+            return self.lm_head(torch.cumsum(h, dim=1) / torch.arange(1, h.shape[1] + 1)[:, None])
+
     rng = np.random.default_rng(0)
     data = []
     for _ in range(200):
         n = int(rng.integers(3, 12)); ids = rng.integers(0, 50, n); labels = ids.copy(); labels[: n // 2] = -100
         data.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    """
+)
+
+FEATURIZE = MODEL_AND_DATA + textwrap.dedent(
+    """
+    import json, os, sys, time
+    torch.set_num_threads(1)
+    from clusterlm.features import GradientFeaturizer
+    from clusterlm.store import FeatureStore
+
+    store_dir, go, log = sys.argv[1], sys.argv[2], sys.argv[3]
     computed = []
     original = FeatureStore.write_shard
     def write_shard(self, index, *args, **kwargs):
@@ -105,7 +138,7 @@ FEATURIZE = textwrap.dedent(
         original(self, index, *args, **kwargs)
         computed.append(index)
     FeatureStore.write_shard = write_shard
-    feat = GradientFeaturizer(model, layers="lm_head", dim=(4, 4))
+    feat = GradientFeaturizer(TinyLM(), layers="lm_head", dim=(4, 4))
     while not os.path.exists(go):
         time.sleep(0.005)
     out = feat.featurize(data, store=FeatureStore(store_dir, shard_size=8), batch_tokens=64, progress=False)
@@ -134,7 +167,6 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> None:
 
 def test_two_featurizing_runs_on_one_store_both_finish_and_compute_every_shard_once(tmp_path):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from clusterlm.features import GradientFeaturizer
 
@@ -150,21 +182,12 @@ def test_two_featurizing_runs_on_one_store_both_finish_and_compute_every_shard_o
     computed = sorted(logs[0]["computed"] + logs[1]["computed"])
     assert computed == list(range(25)), computed  # every shard once: none twice, none lost
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as the runs: a thread count can change float summation order
     try:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1))
-        rng = np.random.default_rng(0)
-        data = []
-        for _ in range(200):
-            n = int(rng.integers(3, 12))
-            ids = rng.integers(0, 50, n)
-            labels = ids.copy()
-            labels[: n // 2] = -100
-            data.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-        expected = GradientFeaturizer(model, layers="lm_head", dim=(4, 4)).featurize(
-            data, shard_size=8, batch_tokens=64, progress=False)
+        ns: dict = {}
+        exec(MODEL_AND_DATA, ns)
+        expected = GradientFeaturizer(ns["TinyLM"](), layers="lm_head", dim=(4, 4)).featurize(
+            ns["data"], shard_size=8, batch_tokens=64, progress=False)
     finally:
         torch.set_num_threads(threads)
     store = FeatureStore(tmp_path / "store", shard_size=8)
@@ -226,23 +249,30 @@ def test_a_dead_writers_shard_is_recomputed_by_the_next_featurize_loop(tmp_path)
 
 
 def test_shard_record_waits_for_a_live_holder_and_returns_what_it_wrote(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text(LATE_WRITER)
+    writer = _spawn(script, tmp_path)
+    try:
+        assert writer.stdout.readline().strip() == "claimed"
+        t0 = time.perf_counter()
+        store = FeatureStore(tmp_path, shard_size=SHARD)
+        store.begin(dim=DIM, config={"fake": 1})
+        record = store.shard_record(0)  # waits instead of computing it a second time
+        waited = time.perf_counter() - t0
+    finally:
+        _finish([writer])
+    assert record is not None and record["data_sha256"] == "h0" and waited >= 0.3
+
+
+def test_in_one_process_a_store_object_never_waits_for_another(tmp_path):
     a = FeatureStore(tmp_path, shard_size=SHARD)
     a.begin(dim=DIM, config={"fake": 1})
-    assert a.shard_record(0) is None  # a is about to compute shard 0: it holds the claim
+    assert a.shard_record(0) is None  # a claims shard 0 ... and is left alone (an inspection, an exception)
     b = FeatureStore(tmp_path, shard_size=SHARD)
     b.begin(dim=DIM, config={"fake": 1})
-
-    def compute():
-        time.sleep(0.4)
-        a.write_shard(0, fake(0), data_sha256="h0")
-
-    t = threading.Thread(target=compute)
-    t0 = time.perf_counter()
-    t.start()
-    record = b.shard_record(0)  # waits instead of computing it a second time
-    t.join()
-    assert time.perf_counter() - t0 >= 0.35
-    assert record is not None and record["data_sha256"] == "h0"
+    assert b.shard_record(0) is None and b.claim(0)  # b computes it: no deadlock on its own process
+    b.write_shard(0, fake(0), data_sha256="h0")
+    assert FeatureStore(tmp_path, shard_size=SHARD).shard_record(0)["data_sha256"] == "h0"  # read-only: no claim
 
 
 def test_concurrent_finalize_assembles_once_and_both_get_the_features(tmp_path):
