@@ -290,13 +290,17 @@ def distributed_capacity_kmeans(
     Args:
         x_local: ``(n_r, d)`` float32/float64 numpy array, ``np.memmap`` (read ``chunk_rows`` rows at a
             time from its file; nothing of it stays resident) or CPU tensor: global rows
-            ``[offset_r, offset_r + n_r)``, offsets in rank order. Never modified.
+            ``[offset_r, offset_r + n_r)``, offsets in rank order, finite, d >= 1. Never modified. Any
+            magnitude is accepted as long as the squared distances fit the dtype (the range of
+            :func:`~cluster_kernels.capacity_kmeans`, over all ranks' rows and ``init``): the data are rescaled
+            by the same power of two on every rank, and results reported in the caller's units.
         k: number of clusters, ``1 <= k <= n`` (n = rows over all ranks).
         min_size, max_size: int or ``(k,)`` ints, global bounds per cluster (defaults 0 and n).
         metric: "sqeuclidean", or "cosine" (spherical k-means on L2-normalised rows).
         n_init: k-means++ restarts (one shared sample); the lowest inertia wins.
         max_iter: Lloyd iterations per restart.
-        tol: stop when the objective falls by less than ``tol`` (relative) or no label changes.
+        tol: finite float >= 0; stop when the objective falls by less than ``tol`` (relative) or no label
+            changes.
         seed: seed of the sample and of the splitmix64 stream of k-means++.
         init: "k-means++", or a ``(k, d)`` array of initial centroids, the same on every rank.
         group: process group (default: the default group when initialised).
@@ -315,7 +319,8 @@ def distributed_capacity_kmeans(
     Raises:
         TypeError: x_local not a float32/float64 array, bad argument types.
         ValueError: ranks disagree on d, dtype or arguments, NaN/Inf rows (the global row is named),
-            k outside [1, n], infeasible bounds, unknown metric, zero rows with ``metric="cosine"``.
+            k outside [1, n], infeasible bounds, unknown metric, zero rows with ``metric="cosine"``, d = 0,
+            ``tol`` NaN/Inf, data out of the accepted range (the message gives it; every rank raises it).
         RuntimeError: ``cluster_kernels._C`` is not built (the message says how to build it).
     """
     t_start = time.perf_counter()
@@ -366,14 +371,15 @@ def _result(comm: _collectives.Comm, shard: Shard, setup: _Setup, best: tuple, s
             spherical: bool, is_tensor: bool, t_start: float) -> DistributedKMeansResult:
     """The result of the best run: global sizes and inertia, centroids in the caller's frame and dtype."""
     _, labels, cent, history, n_iter, converged, own = best
+    inertia = float(comm.sum(np.array([own.sum()]))[0])  # in the working frame
     if spherical:  # |a - b|^2 = 2 - 2 cos for unit vectors; unit centroids
-        own, history, centroids = own * 0.5, [h * 0.5 for h in history], cent.numpy()
+        own, history, centroids, inertia = own * 0.5, [h * 0.5 for h in history], cent.numpy(), inertia * 0.5
     else:  # back from the working frame to the caller's units
         own, history = shard.scale.up_sq(own), [shard.scale.up_sq(float(h)) for h in history]
         centroids = shard.scale.up((cent + shard.mean).numpy())
+        inertia = shard.scale.up_sq(inertia)
     centroids = centroids.astype(shard.x.dtype)
     sizes = comm.sum(np.bincount(labels, minlength=setup.k).astype(np.int64))
-    inertia = float(comm.sum(np.array([own.sum()]))[0])
     stats["total_s"] = time.perf_counter() - t_start
 
     def out(a: np.ndarray) -> Any:
@@ -381,6 +387,6 @@ def _result(comm: _collectives.Comm, shard: Shard, setup: _Setup, best: tuple, s
 
     return DistributedKMeansResult(
         labels=out(labels.astype(np.int64)), centroids=out(centroids), distances=out(own.astype(shard.x.dtype)),
-        inertia=inertia, sizes=out(sizes), n_iter=int(n_iter), converged=bool(converged),
+        inertia=float(inertia), sizes=out(sizes), n_iter=int(n_iter), converged=bool(converged),
         history=[float(h) for h in history], offset=setup.offset, n_total=setup.n_total, stats=stats,
     )

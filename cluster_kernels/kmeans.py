@@ -34,6 +34,17 @@ trials, as scikit-learn does) with a splitmix64 stream, so a seed gives the same
 everywhere. Data are centred (in float64) before distances ``|x|^2 - 2 x.c + |c|^2`` are formed, to
 keep float32 precision.
 
+Numerical range: the objective is scale-equivariant, so data whose largest ``|entry|`` (explicit
+centroids included) lies outside ``[2^-24, 2^24]`` are first multiplied by a power of two ``2^-e``
+that brings it into ``[0.5, 1)`` (exact: powers of two commute with rounding), and distances,
+inertia, history and centroids are reported in the caller's units. So ``x * 2^m`` gives bit for bit
+the labels of ``x``, float32 products never over- or underflow, and any finite input is clustered
+unless its squared distances cannot be represented: ``metric="sqeuclidean"`` refuses (``ValueError``
+naming the range) data whose squared extent ``sum_j (max_j - min_j)^2`` exceeds half the dtype's
+largest value (float32: ~1.7e38, i.e. entries up to ~1e18; float64: ~9e307) or whose ``n`` times
+squared extent exceeds half float64's (the inertia). Reported distances below the dtype's smallest
+subnormal are 0. See ``cluster_kernels._checks.data_scale``.
+
 Layout: the float64 torch reference (``*_ref``: the test oracle, runs on any device), then the
 launchers for the C++/OpenMP and CUDA kernels of ``cluster_kernels._C``, then the public
 dispatchers :func:`capacity_kmeans` and :func:`assign_with_capacity`.
@@ -663,17 +674,22 @@ def capacity_kmeans(
     """K-means whose cluster sizes satisfy ``min_size <= sizes <= max_size`` exactly.
 
     Args:
-        x: (n, d) float32/float64 numpy array or torch tensor (CPU, or CUDA for the CUDA path);
-            non-contiguous inputs are copied. Never modified.
+        x: (n, d) float32/float64 numpy array or torch tensor (CPU, or CUDA for the CUDA path), d >= 1,
+            finite; non-contiguous inputs are copied. Never modified. Any magnitude is accepted (it is
+            rescaled by a power of two internally) as long as the squared distances fit the dtype: with
+            ``metric="sqeuclidean"``, ``sum_j (max_j - min_j)^2 <= finfo(dtype).max / 2`` and ``n`` times that
+            ``<= finfo(float64).max / 2`` (module docstring, "Numerical range").
         k: number of clusters, ``1 <= k <= n``.
         min_size: int or (k,) ints, lower bound per cluster (default 0).
         max_size: int or (k,) ints, upper bound per cluster (default n).
         metric: "sqeuclidean", or "cosine" (spherical k-means on L2-normalised rows).
         n_init: k-means++ restarts; the lowest inertia wins.
         max_iter: Lloyd iterations per restart.
-        tol: stop when the objective falls by less than ``tol`` (relative) or labels repeat.
+        tol: finite float >= 0; stop when the objective falls by less than ``tol`` (relative) or labels
+            repeat.
         seed: seed of the splitmix64 stream (same seed and input give identical labels).
-        init: "k-means++" or a (k, d) array of initial centroids (then ``n_init`` is 1).
+        init: "k-means++" or a finite (k, d) array of initial centroids (then ``n_init`` is 1); it counts
+            in the range check of ``x``.
         backend: "auto" | "cpu" (C++/OpenMP) | "cuda" | "torch" (float64 reference).
 
     Returns:
@@ -682,7 +698,9 @@ def capacity_kmeans(
 
     Raises:
         TypeError: x not float32/float64 numpy/torch, k not an int, bounds not ints.
-        ValueError: bad shapes, NaN/Inf, k outside [1, n], infeasible bounds, unknown metric/backend.
+        ValueError: bad shapes (d = 0 included), NaN/Inf in ``x`` or ``init``, ``tol`` NaN/Inf/negative,
+            ``n_init`` < 1, k outside [1, n], infeasible bounds, unknown metric/backend, data out of the
+            accepted range (the message gives it).
         RuntimeError: an explicitly requested backend is not available (the message says how to get it).
     """
     op = "capacity_kmeans"
@@ -729,7 +747,9 @@ def _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converg
     if spherical:
         own = own / 2.0  # |a - b|^2 = 2 - 2 cos for unit vectors
         history = [h / 2.0 for h in history]
-    else:
+        inertia = float(own.sum())
+    else:  # summed in the working frame: no distance turned subnormal by the rescaling is lost
+        inertia = scale.up_sq(float(own.sum()))
         own, cent, mean = scale.up_sq(own), scale.up(cent), scale.up(mean)
         history = [scale.up_sq(float(h)) for h in history]
     sizes = torch.bincount(labels, minlength=k)
@@ -737,7 +757,7 @@ def _finish(x, t, xp, mean, labels, cent, k, spherical, history, n_iter, converg
         labels=_to_output(x, labels),
         centroids=_to_output(x, (cent + mean).to(t.dtype)),
         distances=_to_output(x, own.to(t.dtype)),
-        inertia=float(own.sum()),
+        inertia=float(inertia),
         sizes=_to_output(x, sizes),
         n_iter=int(n_iter),
         converged=bool(converged),
@@ -757,8 +777,10 @@ def assign_with_capacity(
     """Optimal assignment of points to fixed centroids under size bounds (no centroid update).
 
     Args:
-        x: (n, d) float32/float64 numpy array or torch tensor.
-        centroids: (k, d) array/tensor of the same kind.
+        x: (n, d) float32/float64 numpy array or torch tensor, finite, d >= 1; any magnitude whose squared
+            distances to the centroids fit the dtype (the range of :func:`capacity_kmeans`, over the rows of
+            ``x`` and of ``centroids`` together; none for ``metric="cosine"``).
+        centroids: (k, d) finite array/tensor of the same kind.
         min_size, max_size: int or (k,) ints (defaults 0 and n).
         metric: "sqeuclidean" or "cosine".
         backend: "auto" | "cpu" | "cuda" | "torch".
@@ -768,7 +790,8 @@ def assign_with_capacity(
         subject to the bounds; same type/device as ``x``.
 
     Raises:
-        TypeError / ValueError as :func:`capacity_kmeans`, plus mismatched centroid dimensions.
+        TypeError / ValueError as :func:`capacity_kmeans` (NaN/Inf in ``centroids`` included), plus
+        mismatched centroid dimensions.
     """
     op = "assign_with_capacity"
     t = check_matrix(x, "x", op)

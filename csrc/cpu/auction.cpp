@@ -20,15 +20,11 @@ namespace {
 
 using auction::cheapest_dummy_object;
 using auction::EpsSchedule;
+using auction::kMaxCost;
 using auction::Objects;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
-
-// Largest |cost| (and |warm-start price|) accepted. Prices stay within a few cost spans of the costs, so
-// cost + price never overflows below it; beyond it (or at a NaN / Inf) the argmins below could find no finite
-// candidate, and an index taken from such a comparison (-1) would address memory outside the counts.
-constexpr double kMaxCost = DBL_MAX / 64.0;
 
 // Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
 // checked (eps_schedule), so an internal error rather than a memory error.

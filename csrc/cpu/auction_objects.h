@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <limits>
 #include <numeric>
@@ -10,6 +11,11 @@
 
 namespace cluster_kernels {
 namespace auction {
+
+// Largest |cost| (and |warm-start price|) an auction accepts. Prices stay within a few cost spans of the costs,
+// so cost + price never overflows below it; beyond it (or at a NaN / Inf) an argmin could find no finite
+// candidate, and the index taken from such a comparison (-1) would address memory outside the counts.
+constexpr double kMaxCost = DBL_MAX / 64.0;
 
 // Each cluster becomes a mandatory object (lo slots, real points only) and an optional object
 // (hi - lo slots, real points or zero-cost dummy units).

@@ -645,18 +645,26 @@ __global__ void hist_kernel(const int* __restrict__ v, int64_t len, int m, bool 
   }
 }
 
-// Non-negative doubles order like their bit patterns, so an integer max is the double max.
+// Non-negative doubles order like their bit patterns, so an integer max is the double max. A row with a NaN,
+// an Inf or a |cost| above auction::kMaxCost makes amax +inf: the host then refuses the cost matrix.
 __global__ void __launch_bounds__(kThreads) span_kernel(const double* __restrict__ D, int64_t n, int64_t k,
                                                         unsigned long long* __restrict__ out) {
   __shared__ double sh_span[kThreads];
   __shared__ double sh_amax[kThreads];
   double span = 0.0, amax = 0.0;
+  const double max_cost = auction::kMaxCost;
   for (int64_t i = thread_index(); i < n; i += thread_stride()) {
     double lo_v = CUDART_INF, hi_v = -CUDART_INF;
+    bool bad = false;
     for (int64_t j = 0; j < k; ++j) {
       const double v = D[i * k + j];
+      bad = bad || !(fabs(v) <= max_cost);
       lo_v = v < lo_v ? v : lo_v;
       hi_v = hi_v < v ? v : hi_v;
+    }
+    if (bad) {
+      amax = CUDART_INF;
+      continue;
     }
     const double sp = __dsub_rn(hi_v, lo_v);
     span = span < sp ? sp : span;
@@ -1161,6 +1169,9 @@ class AuctionGpu {
       std::memcpy(&amax_, &bits[1], sizeof(double));
       span_known_ = true;
     }
+    if (!(amax_ <= auction::kMaxCost))
+      throw std::invalid_argument("auction_assign: the cost matrix has a NaN, an Inf or a |cost| above 2.8e306; "
+                                  "every cost must be finite and in that range");
     double span = span_raw_;
     if (!(span > 0.0)) span = 1.0;
     double pmax = 0.0;

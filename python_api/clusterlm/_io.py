@@ -82,8 +82,10 @@ class StorageError(OSError):
 def storage_errno(exc: BaseException) -> int | None:
     """The ENOSPC / EDQUOT / EFBIG / EIO behind ``exc``, None when it is another failure.
 
-    Looks through the exception chain (torch.save reports a failed write as a ``RuntimeError`` whose context
-    is the ``OSError``) and at messages of native writers (``... (os error 28)``).
+    Looks at messages of native writers (``... (os error 28)``) and, from an ``OSError`` or a
+    ``RuntimeError``, down the exception chain (torch.save reports a failed write as a ``RuntimeError`` whose
+    context is the ``OSError``); another exception (a ``ValueError`` raised while handling a full disk) is
+    its own failure.
     """
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -94,6 +96,8 @@ def storage_errno(exc: BaseException) -> int | None:
         match = re.search(r"\(os error (\d+)\)|\[Errno (\d+)\]", str(e))
         if match and int(match.group(1) or match.group(2)) in STORAGE_ERRNOS:
             return int(match.group(1) or match.group(2))
+        if not isinstance(e, (OSError, RuntimeError)):
+            return None
         e = e.__cause__ or e.__context__
     return None
 
@@ -134,7 +138,7 @@ def storage_error(exc: BaseException, path: str | os.PathLike, *, needed: int | 
         details.append(f"{_size(needed)} needed")
     elif written:
         details.append(f"more than {_size(written)} needed")
-    free = _free(Path(path)) if code in (errno.ENOSPC, errno.EDQUOT) else None
+    free = _free(Path(path)) if code == errno.ENOSPC else None  # (a quota is not the disk's free space)
     if free is not None:
         details.append(f"{_size(free)} free there")
     where = f" ({', '.join(details)})" if details else ""
@@ -215,6 +219,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
                 f.close()  # flushes what is buffered; on a full disk that fails again
             raise
         f.close()  # network file systems report some write errors only here
+        os.chmod(tmp, _CREATE_MODE)  # mkstemp creates 0600; a plan or checkpoint gets a normal file's mode
         os.replace(tmp, path)
     except BaseException as e:
         _remove(tmp)
@@ -224,6 +229,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
         raise err from e
     fsync_dir(path.parent)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# What open() would give a new file: 0666 minus the umask (read once: os.umask is process-global).
+_CREATE_MODE = 0o666 & ~_umask()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

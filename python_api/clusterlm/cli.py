@@ -418,6 +418,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "or a local HF model directory")
     g.add_argument("--data", required=True, help="training data the plan was made for (.jsonl/.json/.parquet)")
     g.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary, model)")
+    g.add_argument("--allow-other-model", action="store_true",
+                   help="train even when the plan was selected with another model (its model id differs)")
     g.add_argument("--eval-data", default=None, help="held-out data; its answer-token loss is reported")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one; "
@@ -528,7 +530,8 @@ def _run_train(args: argparse.Namespace) -> int:
     spec = is_baseline_spec(args.plan)
     if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
         trainer.check_inputs(args, plan_dir=not spec)  # the ranks check again; this fails before any starts
-        trainer.check_unlocked(args.out)
+        if args.nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
+            trainer.check_unlocked(args.out)
         plan_ws = None if spec else trainer.plan_world_size(args.plan)
         if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
             raise trainer.world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")

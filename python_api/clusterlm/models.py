@@ -244,7 +244,8 @@ def check_model_id(expected: str, model: Any, *, who: str, allow_other_model: bo
         raise ValueError(
             f"{who}: the plan was selected with model {expected}, but the model being trained is "
             f"{model_label(model)}@{got} (other weights or config). Train the model the plan was made with, make a "
-            "new plan with this model (clusterlm select), or pass allow_other_model=True to train on it anyway."
+            "new plan with this model (clusterlm select), or pass allow_other_model=True (--allow-other-model) to "
+            "train on it anyway."
         )
     return True
 

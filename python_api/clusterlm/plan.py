@@ -237,7 +237,8 @@ def _check_fields(meta: dict[str, Any], where: Path) -> None:
     if "world_size" not in meta:
         raise _field_error(where, "world_size", "is missing: it must be the number of ranks the plan is for.")
     if not _is_int(meta["world_size"]) or meta["world_size"] < 1:
-        raise _field_error(where, "world_size", f"must be a positive int, the number of ranks; got {meta['world_size']!r}.")
+        got = meta["world_size"]
+        raise _field_error(where, "world_size", f"must be a positive int, the number of ranks; got {got!r}.")
     fp = meta.get("fingerprint", _MISSING)
     if fp is _MISSING:
         raise _field_error(where, "fingerprint", "is missing: it must be the data fingerprint {'size', 'sha256'}.")

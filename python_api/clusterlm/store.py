@@ -547,6 +547,11 @@ class FeatureStore:
             return None
         return _holder(self._claim_path(int(index)))
 
+    def _held_elsewhere(self, index: int) -> bool:
+        """Another live process holds the claim (one of this process is never waited for)."""
+        who = self.claim_holder(index)
+        return who is not None and (who.get("pid"), who.get("host")) != (os.getpid(), socket.gethostname())
+
     def wait_for_shards(self, indices: Iterable[int], *, timeout: float | None = None) -> list[int]:
         """Wait while live processes compute any of ``indices``; return those still not stored.
 
@@ -562,7 +567,7 @@ class FeatureStore:
         while True:
             done = self.reload()._shards()
             pending = [i for i in pending if str(i) not in done]
-            held = [i for i in pending if self.claim_holder(i) is not None]
+            held = [i for i in pending if self._held_elsewhere(i)]
             if not held:
                 return pending
             if deadline is not None and time.monotonic() > deadline:
@@ -699,14 +704,19 @@ class FeatureStore:
     def _drop(self, bad: dict[int, str], *, reopen: bool = False) -> str:
         """Drop the shards ``bad`` from the manifest (``reopen``: the store becomes incomplete, its other blocks
         kept in features.npy); returns the message that says so."""
-        with _dir_lock(self.path):
-            manifest = self.reload()._read_manifest()
-            rows = {int(k): int(r["rows"]) for k, r in manifest["shards"].items()}
-            if reopen:
-                shards = {k: dict(r, file=_FEATURES) for k, r in manifest["shards"].items() if int(k) not in bad}
-                self._write_manifest(dict(manifest, shards=shards, complete=False, n_examples=None))
-            else:
-                self._drop_records(manifest, bad)
+        manifest = self.reload()._read_manifest()
+        rows = {int(k): int(r["rows"]) for k, r in manifest["shards"].items()}
+        unsaved = ""
+        try:
+            with _dir_lock(self.path):
+                manifest = self.reload()._read_manifest()
+                if reopen:
+                    shards = {k: dict(r, file=_FEATURES) for k, r in manifest["shards"].items() if int(k) not in bad}
+                    self._write_manifest(dict(manifest, shards=shards, complete=False, n_examples=None))
+                else:
+                    self._drop_records(manifest, bad)
+        except OSError as exc:  # a read-only store: say what is wrong all the same
+            unsaved = f" (could not record that in {self.manifest_path}: {exc}; delete the store to start over)"
         self._verified = None
         parts = []
         for i, problem in sorted(bad.items())[:5]:
@@ -715,10 +725,11 @@ class FeatureStore:
             parts.append(f"{span} (shard {i}) {problem}" if reopen else f"shard {i} {problem}")
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         where = self.path / _FEATURES if reopen else self.path
-        what = "these rows" if reopen else "the shard" + ("s" if len(bad) > 1 else "")
+        what, it = ("these rows", "them") if reopen or len(bad) > 1 else ("the shard", "it")
+        what = "the shards" if len(bad) > 1 and not reopen else what
         return (
             f"FeatureStore: {where}: {'; '.join(parts)}{more}. Dropped {what} from the store: rerun the "
-            "featurizer with this store to recompute them (the other rows are kept)."
+            f"featurizer with this store to recompute {it} (the other rows are kept){unsaved}."
         )
 
     # ---- assembling -------------------------------------------------------------------------------

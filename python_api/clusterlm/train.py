@@ -150,7 +150,7 @@ from clusterlm.launch import (
     under_torchrun,
 )
 from clusterlm.metrics import CURVE, METRICS, SUMMARY, MetricsLog, plot_training, step_record, summarize, summary_text
-from clusterlm.models import load_model
+from clusterlm.models import check_model_id, load_model
 from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
 
@@ -641,6 +641,8 @@ def prepare(args: Any, di: DistInfo, build_plan: PlanBuilder | None) -> Run:
     plan = load_plan(args.plan, di) if build_plan is None else None  # a damaged plan fails before the model loads
     seed_everything(args.seed)
     model, tokenizer, model_id = build_model(args, di)
+    if plan is not None:  # a plan selected with other weights would estimate another model's gradient
+        check_model_id(plan.model_id, model, who="train", allow_other_model=args.allow_other_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     max_length = max_length_of(args, build_plan is None)
     data = load_data(args.data, tokenizer, max_length=max_length, progress=progress,

@@ -26,7 +26,7 @@ import pytest
 
 from clusterlm import cli
 from clusterlm import train as trainer
-from clusterlm.launch import spawn
+from clusterlm.launch import first_failure, spawn
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -195,6 +195,23 @@ def test_one_failing_rank_ends_the_run_with_its_own_line(tiny, tmp_path, capfd, 
     assert len(lines) == 1 and message in lines[0] and "rank 1" in lines[0], err
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert elapsed < 120, f"the other rank hung: {elapsed:.0f} s"
+
+
+def _failure(exitcode: int, timestamp: int, report: dict | None = None) -> SimpleNamespace:
+    """What torch's launcher knows of a failed rank (its ProcessFailure)."""
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, pid=100 + timestamp,
+                           signal_name=lambda: signal.Signals(-exitcode).name,
+                           error_file_data={"clusterlm": report} if report else {})
+
+
+def test_the_first_reported_failure_is_the_one_reported():
+    # rank 0 noticed the lost peer (gloo) after rank 1 failed; rank 2 was stopped by the launcher
+    failures = {0: _failure(1, 5, {"line": "rank 0: connection closed by peer", "exit_code": 1, "time_ns": 5_000_002}),
+                1: _failure(2, 5, {"line": "rank 1: bad data", "exit_code": 2, "time_ns": 5_000_001}),
+                2: _failure(-15, 4)}
+    assert first_failure(failures) == ("rank 1: bad data", 2)
+    line, code = first_failure({0: _failure(-9, 7), 1: _failure(-15, 8)})  # nobody said why: the earliest
+    assert code == 1 and line.startswith("clusterlm: rank 0 (pid 107) was killed by signal 9")
 
 
 # ---------------------------------------------------------------------------------------------------
