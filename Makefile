@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test install real-model bench bench-compare bench-real lint clean
+.PHONY: demo test install real-model bench bench-compare bench-real lint clean sanitize
 
 $(VENV)/.deps: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ bench-compare: install
 bench-real: real-model
 	$(PY) benchmarks/bench_real.py
 	$(PY) benchmarks/render_benchmarks.py
+
+# The C++ K-means under AddressSanitizer + UBSan: a sanitized build of csrc/cpu (cached in build/sanitize-*) and
+# the case set of tests/reliability/sanitizer_cases.py in one child process (also run by the test suite).
+sanitize: install
+	$(PY) tests/reliability/build_sanitized.py
 
 lint: install
 	$(PIP) install -q ruff

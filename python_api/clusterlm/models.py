@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from clusterlm.demo import DemoData, default_root, demo_data
+from clusterlm.plan import same_model
 from clusterlm.pretrain import build as build_pretrained_tiny_llama
 from clusterlm.pretrain import tiny_llama_config
 
@@ -240,7 +241,7 @@ def check_model_id(expected: str, model: Any, *, who: str, allow_other_model: bo
     got = model_hash(model)
     if got is None:
         return False
-    if got != want and not allow_other_model:
+    if not same_model(expected, f"{model_label(model)}@{got}") and not allow_other_model:
         raise ValueError(
             f"{who}: the plan was selected with model {expected}, but the model being trained is "
             f"{model_label(model)}@{got} (other weights or config). Train the model the plan was made with, make a "

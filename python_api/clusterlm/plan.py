@@ -56,7 +56,7 @@ import numpy as np
 from clusterlm._io import atomic_write_bytes
 from clusterlm.data import fingerprint
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "selection_weights"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "same_model", "selection_weights"]
 
 PLAN_FORMAT = "clusterlm.plan"
 PLAN_VERSION = 1
@@ -375,12 +375,13 @@ def _first_difference(found: Any, want: Any, name: str) -> tuple[str, Any, Any] 
     return None if found == want and type(found) is type(want) else (name, found, want)
 
 
-def _same_model(a: str, b: str) -> bool:
+def same_model(a: str, b: str) -> bool:
     """Two model ids name the same model: their weights hashes agree (``label@hash``), else the ids are equal."""
     ha, hb = a.rpartition("@")[2], b.rpartition("@")[2]
     if _MODEL_HASH.fullmatch(ha) and _MODEL_HASH.fullmatch(hb):
         return ha == hb
     return a == b
+
 
 @dataclass(eq=False)
 class Plan:
@@ -951,7 +952,7 @@ class Plan:
                 stacklevel=2,
             )
             return False
-        if _same_model(mine, theirs):
+        if same_model(mine, theirs):
             return True
         if not allow_other_model:
             raise ValueError(

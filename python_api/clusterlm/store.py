@@ -63,7 +63,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -74,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm._io import atomic_write_bytes, fsync_dir
+from clusterlm._io import StorageError, atomic_write_bytes, fsync_dir, storage_error
 
 try:
     import fcntl
@@ -88,13 +87,6 @@ _MANIFEST = "manifest.json"
 _FEATURES = "features.npy"
 _FINALIZE = "features"  # the claim of the process assembling features.npy
 _LOG = logging.getLogger(__name__)
-# errno -> what ran out, for the one-line OSError of a failed write.
-_WRITE_FAILURES = {
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EFBIG: "the file is too large for the file system",
-    errno.EIO: "an I/O error (EIO) on the device",
-}
 _NO_FALLOCATE = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 _BROKEN = "is truncated or not a clusterlm feature file"
 
@@ -255,31 +247,14 @@ def _preallocate(fd: int, size: int) -> None:
             raise
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return ""  # pragma: no cover
-
-
-def _write_error(exc: OSError, target: Path, need: int) -> OSError:
-    """One OSError (same errno) saying what ran out, where, how many bytes were needed and what is kept."""
-    try:
-        free = f", {shutil.disk_usage(target.parent).free:,} bytes are free there"
-    except OSError:  # pragma: no cover
-        free = ""
-    advice = (
-        "check the device (dmesg) and rerun"
-        if exc.errno == errno.EIO
-        else "free space (or move the store to a larger disk) and rerun"
-    )
-    return OSError(
-        exc.errno,
-        f"FeatureStore: {_WRITE_FAILURES[exc.errno]} while writing {target}: it needs {need:,} bytes "
-        f"({_human(need)}){free}. The partial file was removed and the stored shards are kept; {advice} to "
-        "finish the store.",
-    )
+def _write_error(exc: BaseException, target: Path, need: int) -> BaseException:
+    """A full or failing disk as the one StorageError of ``clusterlm._io`` (what ran out, where, bytes needed),
+    saying that the stored shards are kept; another failure is returned as it is."""
+    err = storage_error(exc, target, needed=need)
+    if not isinstance(err, StorageError):
+        return err
+    kept = "; the partial file was removed and the stored shards are kept, so a rerun finishes the store"
+    return StorageError(err.errno, f"FeatureStore: {err.message}{kept}.", str(target))
 
 
 class FeatureStore:
@@ -646,8 +621,9 @@ class FeatureStore:
         except BaseException as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            if isinstance(exc, OSError) and exc.errno in _WRITE_FAILURES:
-                raise _write_error(exc, target, len(_npy_header(features.shape)) + features.nbytes) from exc
+            err = _write_error(exc, target, len(_npy_header(features.shape)) + features.nbytes)
+            if err is not exc:
+                raise err from exc
             raise
         fsync_dir(self.path)
         record = {
@@ -842,8 +818,9 @@ class FeatureStore:
                 if not bad:
                     os.fsync(fd)
             except OSError as exc:
-                if exc.errno in _WRITE_FAILURES:
-                    raise _write_error(exc, target, need) from exc
+                err = _write_error(exc, target, need)
+                if err is not exc:
+                    raise err from exc
                 raise
             if bad:
                 raise ValueError(self._drop(bad))

@@ -29,7 +29,7 @@ BACKENDS = ["torch"] + (["cpu"] if C is not None else [])
 DTYPES = [np.float32, np.float64]
 SIZE = 20
 K = 3
-FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RANGE = r"out of the accepted range"
 # Power-of-two exponents and decimal exponents fuzzed per dtype: |x| over about 1e-38..1e38 (float32), and
 # 1e-300..1e300 (float64), up to where the entries of the mixture (|x| < 13) stay finite. float32 powers stop at
