@@ -174,7 +174,8 @@ class Lloyd:
             stats["collectives"].append(self.comm.calls - calls0)
             stats["comm_bytes"].append(self.comm.bytes - bytes0)
             bar.update(1)
-            bar.set_postfix({"objective": f"{cost / (2.0 if spherical else 1.0):.6g}", "rounds": rounds})
+            shown = cost / 2.0 if spherical else self.shard.scale.up_sq(cost)  # the caller's units
+            bar.set_postfix({"objective": f"{shown:.6g}", "rounds": rounds})
             if same or improved <= tol * abs(history[-2] if len(history) > 1 else cost):
                 converged = True
                 break

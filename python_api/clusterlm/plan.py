@@ -665,10 +665,10 @@ class Plan:
         if plan_size != data_size:
             problems.append(f"plan was made for {plan_size} examples, the data set has {data_size}")
         elif self.fingerprint["sha256"] != data_fp["sha256"]:
-            problems.append(
+            problems.append(self._tokenisation_hint(dataset) or (
                 f"content hash differs: plan {str(self.fingerprint['sha256'])[:12]}.., data "
                 f"{str(data_fp['sha256'])[:12]}.. — the data changed or is in another order"
-            )
+            ))
         if world_size is not None and int(world_size) != self.world_size:
             problems.append(f"plan is for world size {self.world_size}, this run has {int(world_size)} processes")
         if problems:
@@ -924,6 +924,20 @@ class Plan:
         for name in sorted(changed):
             problem = "was changed after the plan was saved (its checksum differs)"
             raise _field_error(json_path, name, f"{problem}. {_EDIT_FIX}")
+
+    def _tokenisation_hint(self, dataset: Any) -> str | None:
+        """Why the tokens differ, when the plan's recorded tokenisation is not this data's (else None)."""
+        recorded = self.config.get("data") if isinstance(self.config, Mapping) else None
+        if not isinstance(recorded, Mapping):
+            return None
+        used, rendering = getattr(dataset, "max_length", None), getattr(dataset, "rendering", None)
+        if "max_length" in recorded and recorded["max_length"] != used:
+            return (f"the plan was selected on data tokenised with --max-length {recorded['max_length']}, this data "
+                    f"with {used}: pass --max-length {recorded['max_length']} (train's default is the plan's)")
+        if recorded.get("rendering") and rendering and recorded["rendering"] != rendering:
+            return (f"the plan's data was rendered {recorded['rendering']!r}, this data {rendering!r}: pass the "
+                    "--chat-template the plan was made with")
+        return None
 
     def check_model(self, model_id: str, *, allow_other_model: bool = False) -> bool:
         """Refuse to use the plan with a model other than the one its features came from.
