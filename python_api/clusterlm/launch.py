@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from clusterlm._io import atomic_write_text
+
 __all__ = [
     "AGENT_PID_ENV", "LAUNCHER_PID_ENV", "SELECT_MODULE", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo",
     "all_gather_floats", "all_gather_objects", "barrier", "exit_with_supervisor", "first_failure",
@@ -383,11 +385,17 @@ def _record_failure(line: str, code: int, exc: BaseException | None, keep_traceb
               "clusterlm": {"line": line, "exit_code": code, "time_ns": when}}
     try:
         os.makedirs(os.path.dirname(error_file), exist_ok=True)
-        with open(error_file, "w", encoding="utf-8") as f:
-            json.dump(record, f)
     except OSError:
         return False
-    return True
+    # Atomically, and without the call stack when the whole record does not fit (a full disk, a file size limit):
+    # torchrun parses whatever file it finds, and a half-written one crashes its agent.
+    for rec in (record, {**record, "message": {**record["message"], "extraInfo": {"timestamp": str(when // 10**9)}}}):
+        try:
+            atomic_write_text(error_file, json.dumps(rec))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def report_failure(message: str, code: int, exc: BaseException | None = None, *, keep_traceback: bool = False,
