@@ -485,11 +485,7 @@ def _resolve_settings(n: int, lengths: np.ndarray, *, world_size: Any, clusters_
     if preset == "paper":
         _check_paper_fixed(max_cluster_size=max_cluster_size, min_cluster_size=min_cluster_size,
                            within_cluster=within_cluster, allocation=allocation, clusters_per_rank=clusters_per_rank)
-        if ratio is None:
-            raise ValueError(
-                f"select: preset='paper' takes ratio= (the authors' --ratio, a whole percentage), got "
-                f"budget={budget!r}; pass ratio=, or use preset='default' for an exact example budget."
-            )
+        _check_budget_forms(ratio, budget, token_ratio, token_budget, preset)  # the paper preset takes ratio= only
         return _Settings(
             **common, ratio=float(ratio), percentage=paper_percentage(ratio), lo=None,
             hi=math.ceil(PAPER_CAP * n / n_clusters), n_init=PAPER_N_INIT if n_init is None else int(n_init),

@@ -43,7 +43,7 @@ restarted writer therefore never disturbs one still running. ``reload()`` re-rea
 what the others have finished.
 
 Claims: so that two processes that fill the same shards (two ``select`` runs on one store) do every
-shard once, a shard is claimed while it is computed: ``shard_XXXXX.claim``, ``flock``-ed by its holder
+shard once, a shard is claimed while it is computed: ``shard_<index>.claim``, ``flock``-ed by its holder
 (the lock dies with the process, so a killed writer's claim is free at once). :meth:`FeatureStore.claim`
 takes a claim if nobody holds it (False: done, or a live process computes it); :meth:`wait_for_shards`
 waits for the shards others compute and returns those left to do. :meth:`FeatureStore.shard_record` --
