@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import nonblank_lines
 
 from clusterlm import cli
 from clusterlm.models import load_model
@@ -29,12 +30,9 @@ def _run(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
-
 
 def _one_line(rc: int, err: str, command: str, *needles: str) -> str:
-    lines = _lines(err)
+    lines = nonblank_lines(err)
     assert rc == 2, (rc, err)
     assert "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"clusterlm {command}: error: "), lines[0]
@@ -104,7 +102,7 @@ def test_ctrl_c_exits_130_without_a_traceback(data: Path, tmp_path: Path, monkey
     monkeypatch.setattr(cli, "run_select", _raiser(KeyboardInterrupt()))
     assert _run(_select(data, tmp_path)) == 130
     err = capsys.readouterr().err
-    assert "Traceback" not in err and _lines(err) == ["clusterlm select: interrupted"]
+    assert "Traceback" not in err and nonblank_lines(err) == ["clusterlm select: interrupted"]
 
 
 def test_a_crash_keeps_its_traceback(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +127,7 @@ ARGPARSE = {
 def test_command_line_mistakes_are_one_line(case: str, capsys: pytest.CaptureFixture) -> None:
     argv, prog, needles = ARGPARSE[case]
     rc = _run(argv)
-    lines = _lines(capsys.readouterr().err)
+    lines = nonblank_lines(capsys.readouterr().err)
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     for needle in needles:

@@ -26,23 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import _io, cli
+from clusterlm import _io
 from clusterlm import train as trainer
 
 WHAT = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
         errno.EFBIG: "file size limit", errno.EIO: "I/O error"}
 
 
-def _main(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-
-
-def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
 
 
 def _temporaries(root: Path) -> list[Path]:
@@ -241,12 +233,12 @@ def test_a_full_disk_during_training_is_one_line_and_resume_continues(warm, tmp_
     capfd.readouterr()
     with monkeypatch.context() as m:
         disk = FullDisk(m, out, **options)
-        rc = _main(["train", *argv])
+        rc = run_cli(["train", *argv])
     err = capfd.readouterr().err
     assert disk.failures >= 1, "the simulated disk was never hit"
     code = options.get("code", errno.ENOSPC)
     assert rc == 1, err
-    lines = _lines(err)
+    lines = nonblank_lines(err)
     assert len(lines) == 1 and lines[0].startswith("clusterlm train: error: " + WHAT[code]), err
     assert str(out / names) in lines[0], err
     assert "free" in lines[0] or code == errno.EIO, err
@@ -259,7 +251,7 @@ def test_a_full_disk_during_training_is_one_line_and_resume_continues(warm, tmp_
     if latest.exists():  # what a checkpoint left is loadable, and a resume (with space again) finishes the run
         ckpt = torch.load(out / trainer.CKPT_DIR / latest.read_text().strip(), weights_only=False)
         assert ckpt["step"] >= 1
-        assert _main(["train", *argv, "--resume"]) == 0, capfd.readouterr().err
+        assert run_cli(["train", *argv, "--resume"]) == 0, capfd.readouterr().err
         steps = [r["step"] for r in map(json.loads, (out / trainer.METRICS).read_text().splitlines())
                  if r["kind"] == "train"]
         assert steps == [1, 2, 3]
@@ -282,7 +274,7 @@ def test_a_file_size_limit_at_rank_0s_checkpoint_stops_both_ranks_with_one_line(
            *warm.argv(out, "--nproc", "2", "--max-steps", "3", "--save-every", "1")]
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limited, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = _lines(proc.stderr)
+    lines = nonblank_lines(proc.stderr)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert re.match(r"clusterlm train: error( \(rank 0 of 2\))?: file size limit", lines[0]), lines[0]

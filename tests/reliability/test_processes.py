@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_helpers import nonblank_lines, run_cli
 
 from clusterlm import cli
 from clusterlm import train as trainer
@@ -31,16 +32,6 @@ from clusterlm.launch import first_failure, spawn
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _main(argv: list[str]) -> int:
-    """``clusterlm ARGV`` in this process; argparse's exit status when it refuses."""
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-
-
-def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,12 +127,12 @@ def test_a_live_runs_out_is_refused_naming_its_pid(live_run, capfd, extra):
     before = len(metrics.read_text().splitlines())
     capfd.readouterr()
     t0 = time.perf_counter()
-    rc = _main(["train", *live_run.tiny.argv(live_run.out, "--max-steps", "2", *extra)])
+    rc = run_cli(["train", *live_run.tiny.argv(live_run.out, "--max-steps", "2", *extra)])
     elapsed = time.perf_counter() - t0
     err = capfd.readouterr().err
     assert rc == 2, err
     assert f"pid {live_run.ranks[0]}" in err and str(live_run.out) in err, err
-    assert len(_lines(err)) == 1, err
+    assert len(nonblank_lines(err)) == 1, err
     assert elapsed < 10, f"refused only after {elapsed:.1f} s"
     assert live_run.proc.poll() is None, "the live run died"
     assert len(metrics.read_text().splitlines()) >= before, "the live run's metrics were rewritten"
@@ -161,7 +152,7 @@ def test_killing_the_launcher_takes_every_rank_with_it(live_run, capfd):
 
     # The dead run's lock file is still there; it does not block the next run in that directory.
     capfd.readouterr()
-    assert _main(["train", *live_run.tiny.argv(live_run.out, "--overwrite", "--max-steps", "1")]) == 0, \
+    assert run_cli(["train", *live_run.tiny.argv(live_run.out, "--overwrite", "--max-steps", "1")]) == 0, \
         capfd.readouterr().err
 
 
@@ -191,7 +182,7 @@ def test_one_failing_rank_ends_the_run_with_its_own_line(tiny, tmp_path, capfd, 
     elapsed = time.perf_counter() - t0
     err = capfd.readouterr().err
     assert rc == code, err
-    lines = _lines(err)
+    lines = nonblank_lines(err)
     assert len(lines) == 1 and message in lines[0] and "rank 1" in lines[0], err
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert elapsed < 120, f"the other rank hung: {elapsed:.0f} s"
@@ -237,7 +228,7 @@ def test_non_positive_process_counts_are_refused_at_once(tiny, tmp_path, capfd, 
         argv = ["select", "--model", "tiny-llama", "--data", str(tiny.data), "--world-size", "2", "--ratio", "0.5",
                 "--out", str(out), "--no-progress", "--nproc", value]
     t0 = time.perf_counter()
-    assert _main(argv) == 2
+    assert run_cli(argv) == 2
     assert time.perf_counter() - t0 < 5
     err = capfd.readouterr().err
     assert "--nproc" in err and value in err, err
@@ -321,9 +312,9 @@ def test_bad_trainer_arguments_are_refused_before_any_model_loads(tiny, tmp_path
         argv += ["--nproc", "2"]
     capfd.readouterr()
     t0 = time.perf_counter()
-    rc = _main(["train", *argv])
+    rc = run_cli(["train", *argv])
     elapsed = time.perf_counter() - t0
     err = capfd.readouterr().err
     assert rc == 2, err
-    assert len(_lines(err)) == 1 and err.startswith("clusterlm train: error:") and says in err, err
+    assert len(nonblank_lines(err)) == 1 and err.startswith("clusterlm train: error:") and says in err, err
     assert elapsed < 3
