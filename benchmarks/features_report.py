@@ -178,7 +178,7 @@ def section_less(model, examples, dims, repeats, max_blocks) -> tuple[dict, list
     n_params = full.shape[1]
     for k_o, k_i in dims:
         d = k_o * k_i
-        feat = GradientFeaturizer(model, layers=names, dim=(k_o, k_i))
+        feat = GradientFeaturizer(model, features=names, dim=(k_o, k_i))
         ours = statistics.median(
             timed(lambda f=feat: f.featurize(examples, batch_tokens=2048, progress=False), repeats)
         )
@@ -238,7 +238,7 @@ def section_less(model, examples, dims, repeats, max_blocks) -> tuple[dict, list
         0,
         f"{n} examples of {len(examples[0]['input_ids'])} tokens; layers = every nn.Linear of the "
         f"blocks ({len(names)} layers, P = {n_params:,} weights; the lm head is left out as in LESS, and "
-        "its 4 bytes * P * 128 TRAK block would not fit in memory here). Ours: GradientFeaturizer(layers="
+        "its 4 bytes * P * 128 TRAK block would not fit in memory here). Ours: GradientFeaturizer(features="
         "those names), "
         "batched (2048 tokens per batch), activation-only backward, Kronecker projection. LESS-style: "
         "batch-size-1 forward+backward per example, gradients flattened, TRAK BasicProjector Rademacher "
@@ -299,7 +299,7 @@ def section_train_ratio(model, batches, repeats) -> tuple[dict, list[dict]]:
     batch_tokens = max(len(b) * max(len(e["input_ids"]) for e in b) for b in batches)
     flat = [e for b in batches for e in b]
     for preset, goal in goals.items():
-        feat = GradientFeaturizer(model, layers=preset, dim=None if preset == "paper" else (64, 64))
+        feat = GradientFeaturizer(model, features=preset, dim=None if preset == "paper" else (64, 64))
         t = statistics.median(
             timed(lambda f=feat: f.featurize(flat, batch_tokens=batch_tokens, progress=False), repeats)
         ) / len(batches)

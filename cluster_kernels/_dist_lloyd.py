@@ -5,7 +5,7 @@ float64 distances of its rows to the centroids (centred ``|x|^2 - 2 x.c + |c|^2`
 expression), kept as its ``(n_r, k)`` block of the global cost matrix, and once for the cluster sums. The
 assignment is the auction of the single-process C++ path (``cluster_kernels._C.auction_block``, csrc/cpu/
 auction.cpp) on that block, with the collectives of :class:`~cluster_kernels._collectives.AuctionComm`.
-Seeding (greedy k-means++ on a sample gathered on rank 0) is here too.
+The k-means++ sample (gathered on rank 0) is drawn here too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 from cluster_kernels import _backend
 from cluster_kernels._collectives import I64_MAX, OP, AuctionComm, Comm
 from cluster_kernels._shard import Shard, trim_heap
-from cluster_kernels.kmeans import N_LOCAL_TRIALS_BASE, SplitMix64
 
 
 def rownorms(x: torch.Tensor) -> torch.Tensor:
@@ -202,42 +201,6 @@ class Lloyd:
 # --------------------------------------------------------------------------------------------------
 # Seeding
 # --------------------------------------------------------------------------------------------------
-
-
-def kmeans_plusplus(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
-    """:func:`~cluster_kernels.kmeans.kmeans_plusplus_ref` with the trials of a step in one matrix product.
-
-    The same draws from ``rng`` and the same choices (up to the rounding of the distances), several times
-    faster: row norms are computed once and the candidates' distances together.
-    """
-    n = x.shape[0]
-    trials = N_LOCAL_TRIALS_BASE + int(math.log(k))
-    xn = rownorms(x)
-
-    def dist_to(rows: list[int]) -> torch.Tensor:
-        return torch.from_numpy(np.maximum(xn.numpy()[:, None] - 2.0 * (x @ x[rows].T).numpy()
-                                           + xn.numpy()[rows][None, :], 0.0))
-
-    first = min(int(rng.uniform() * n), n - 1)
-    centers = [first]
-    closest = dist_to([first])[:, 0]
-    for _ in range(1, k):
-        cum = torch.cumsum(closest, 0)
-        total = float(cum[-1])
-        cands = []
-        for _t in range(trials):
-            r = rng.uniform() * total
-            cands.append(min(int(torch.searchsorted(cum, torch.tensor(r, dtype=cum.dtype), right=True)), n - 1))
-        dc = dist_to(cands)
-        best_pot, best_t, best_d = math.inf, -1, closest
-        for t in range(trials):
-            nd = torch.minimum(closest, dc[:, t])
-            pot = float(nd.sum())
-            if pot < best_pot:
-                best_pot, best_t, best_d = pot, t, nd
-        centers.append(cands[best_t])
-        closest = best_d
-    return x[centers].clone()
 
 
 def init_sample(comm: Comm, shard: Shard, sizes: np.ndarray, size: int, seed: int) -> torch.Tensor | None:

@@ -54,7 +54,6 @@ products run in torch and the auction in OpenMP, both with ``torch.get_num_threa
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,15 +64,14 @@ import torch
 from cluster_kernels import _backend, _collectives
 from cluster_kernels._checks import bounds, check_int, check_k, check_metric, check_tol, working_frame
 from cluster_kernels._collectives import GATHER_LIMIT, I64_MAX, OP, allgather_rows, shard_rows  # noqa: F401
-from cluster_kernels._dist_lloyd import Lloyd, init_sample, kmeans_plusplus, progress
+from cluster_kernels._dist_lloyd import Lloyd, init_sample, progress
 from cluster_kernels._shard import Shard, trim_heap
-from cluster_kernels.kmeans import KMeansResult, SplitMix64, run_seed
+from cluster_kernels.kmeans import KMeansResult, SplitMix64, kmeans_plusplus, run_seed
 
 __all__ = ["DistributedKMeansResult", "allgather_rows", "distributed_capacity_kmeans", "shard_rows"]
 
 CHUNK_BYTES = 8 << 20  # default float64 bytes of one chunk of prepared rows
 SAMPLE_PER_CLUSTER = 256  # default k-means++ sample: this many rows per cluster (faiss's training default)
-DEFAULT_CANDIDATES = 4  # deprecated, as the n_candidates argument: without effect
 # GATHER_LIMIT (re-exported above) is read by cluster_kernels._collectives.select: change it there.
 
 
@@ -174,14 +172,6 @@ def _explicit_init(init: Any, k: int, d: int) -> torch.Tensor | None:
     return init_t
 
 
-def _deprecated_arguments(n_candidates: Any, approx_distances: Any) -> None:
-    for name, value in (("n_candidates", n_candidates), ("approx_distances", approx_distances)):
-        if value is not None:
-            warnings.warn(f"{OP}: {name} has no effect any more (the auction runs on each rank's float64 "
-                          f"distance block, 8 k bytes per row); drop the argument.", DeprecationWarning,
-                          stacklevel=3)
-
-
 def _check_data(comm: _collectives.Comm, shard: Shard, setup: _Setup) -> None:
     """Pass 0: finiteness, zero rows (cosine), the range (the working frame: ``shard.scale``; ``setup.init`` is
     rescaled into it) and the global mean in that frame (``shard.mean``)."""
@@ -276,8 +266,6 @@ def distributed_capacity_kmeans(
     group: Any = None,
     chunk_rows: int | None = None,
     init_sample_size: int | None = None,
-    n_candidates: int | None = None,
-    approx_distances: bool | None = None,
     progress: bool = True,
 ) -> DistributedKMeansResult:
     """Capacity-constrained K-means of data sharded over the ranks of a process group, out of core.
@@ -307,8 +295,6 @@ def distributed_capacity_kmeans(
         chunk_rows: rows read and processed at once (default: about 8 MiB of float64 rows).
         init_sample_size: rows gathered for k-means++ (default ``min(n, 256 k)``; ``>= n`` uses all
             rows and reproduces the single-process init).
-        n_candidates, approx_distances: deprecated, without effect (they sized the candidate lists that
-            stood in for the distance block); passing them warns.
         progress: tqdm bar on rank 0 (Lloyd iterations, global objective, auction rounds).
 
     Returns:
@@ -326,7 +312,6 @@ def distributed_capacity_kmeans(
     t_start = time.perf_counter()
     x = _as_local_array(x_local)
     n_init, max_iter, tol = _check_scalars(k, metric, n_init, max_iter, tol)
-    _deprecated_arguments(n_candidates, approx_distances)
     _backend.require_cpu_native(OP)
     comm = _collectives.Comm(group)
     spherical = metric == "cosine"

@@ -420,30 +420,36 @@ def run_seed(seed: int, run: int) -> int:
     return (int(seed) * 0x100000001B3 + run * 0x9E3779B97F4A7C15 + 1) & SplitMix64.MASK
 
 
-def kmeans_plusplus_ref(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
-    """Greedy k-means++ seeding (float64). Returns (k, d) centroids."""
+def kmeans_plusplus(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
+    """Greedy k-means++ seeding on prepared rows ``x`` (float64, any device). Returns ``(k, d)`` centroids.
+
+    Each step draws ``2 + ln k`` candidates from the splitmix64 stream (probability proportional to the squared
+    distance to the closest centre so far) and keeps the one of lowest potential, as scikit-learn does. Row norms
+    are computed once and the candidates' distances in one matrix product. The only k-means++ of the Python
+    paths (the torch reference and the distributed K-means); the tests check it against a float64 oracle.
+    """
     n = x.shape[0]
     trials = N_LOCAL_TRIALS_BASE + int(math.log(k))
+    xn = (x * x).sum(1)
+
+    def dist_to(rows: list[int]) -> torch.Tensor:
+        idx = torch.as_tensor(rows, device=x.device)
+        return (xn[:, None] - 2.0 * (x @ x[idx].T) + xn[idx][None, :]).clamp_min_(0.0)
+
     first = min(int(rng.uniform() * n), n - 1)
-    centers = [x[first]]
-    closest = _sqdist_ref(x, x[first : first + 1])[:, 0]
+    centers = [first]
+    closest = dist_to([first])[:, 0]
     for _ in range(1, k):
         cum = torch.cumsum(closest, 0)
         total = float(cum[-1])
-        cands = []
-        for _t in range(trials):
-            r = rng.uniform() * total
-            cands.append(min(int(torch.searchsorted(cum, torch.tensor(r, dtype=cum.dtype, device=cum.device),
-                                                    right=True)), n - 1))
-        best_pot, best_c, best_d = math.inf, -1, None
-        for cand in cands:
-            nd = torch.minimum(closest, _sqdist_ref(x, x[cand : cand + 1])[:, 0])
-            pot = float(nd.sum())
-            if pot < best_pot:
-                best_pot, best_c, best_d = pot, cand, nd
-        centers.append(x[best_c])
-        closest = best_d
-    return torch.stack(centers)
+        draws = torch.tensor([rng.uniform() * total for _ in range(trials)], dtype=cum.dtype, device=cum.device)
+        cands = torch.searchsorted(cum, draws, right=True).clamp_max_(n - 1).tolist()
+        dc = dist_to(cands)
+        pots = [float(torch.minimum(closest, dc[:, t]).sum()) for t in range(trials)]
+        best_t = min(range(trials), key=lambda t: (pots[t], t))  # the first of the lowest potentials
+        centers.append(cands[best_t])
+        closest = torch.minimum(closest, dc[:, best_t])
+    return x[torch.as_tensor(centers, device=x.device)].clone()
 
 
 def _update_centroids_ref(x: torch.Tensor, labels: torch.Tensor, k: int, old: torch.Tensor, dists: torch.Tensor,
@@ -486,7 +492,7 @@ def capacity_kmeans_ref(
     """
     best = None
     for run in range(n_init if init is None else 1):
-        cent = init.clone() if init is not None else kmeans_plusplus_ref(x, k, SplitMix64(run_seed(seed, run)))
+        cent = init.clone() if init is not None else kmeans_plusplus(x, k, SplitMix64(run_seed(seed, run)))
         if spherical:
             cent = cent / cent.norm(dim=1, keepdim=True).clamp_min(1e-30)
         state, labels, history, converged = None, None, [], False

@@ -72,6 +72,16 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
   r["n_iter"] = out.n_iter;
   r["converged"] = out.converged;
   r["auction_rounds"] = out.auction_rounds;
+  const ck::PhaseTimes& ph = out.seconds;
+  py::dict seconds;
+  seconds["prepare"] = ph.prepare;
+  seconds["init"] = ph.init;
+  seconds["distance"] = ph.distance;
+  seconds["auction"] = ph.auction;
+  seconds["objective"] = ph.objective;
+  seconds["update"] = ph.update;
+  seconds["finish"] = ph.finish;
+  r["seconds"] = seconds;
   return r;
 }
 

@@ -290,3 +290,94 @@ def test_the_nested_import_rule_sees_a_planted_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "clusterlm.nested_fake", fake)
     bad = [b for b in nested_project_imports() if "nested.py" in b]
     assert len(bad) == 1 and "clusterlm.plan" in bad[0]  # third-party imports may stay lazy
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings travel as one config object; the command line only parses
+# ---------------------------------------------------------------------------------------------------
+
+MAX_PARAMETERS = 12
+
+
+def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Named parameters (``self`` / ``cls`` not counted; ``*args`` / ``**kwargs`` count one each)."""
+    a = fn.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def wide_public_functions(limit: int = MAX_PARAMETERS) -> list[str]:
+    """Public functions and methods of ``clusterlm`` taking more than ``limit`` parameters.
+
+    Constructors (``__init__``) are config constructors and exempt, as is the kernel layer (``cluster_kernels``
+    keeps its sklearn / faiss-style keyword APIs)."""
+    out = []
+    for module, path in MODULES.items():
+        if not module.startswith("clusterlm"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        scopes = [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_"))]
+        for scope in scopes:
+            for fn in scope.body:
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("_"):
+                    continue
+                if _param_count(fn) > limit:
+                    out.append(f"{_where(path)}:{fn.lineno} {fn.name}: {_param_count(fn)} parameters")
+    return out
+
+
+def test_no_public_function_takes_more_than_12_parameters():
+    bad = wide_public_functions()
+    assert not bad, "public functions with more than 12 parameters (pass a config object):\n" + "\n".join(bad)
+
+
+def test_the_parameter_rule_sees_a_wide_function(tmp_path, monkeypatch):
+    fake = tmp_path / "wide.py"
+    args = ", ".join(f"a{i}" for i in range(13))
+    fake.write_text(f"def wide({args}):\n    pass\n\n\ndef _private({args}):\n    pass\n\n\n"
+                    f"class C:\n    def __init__(self, {args}):\n        pass\n\n    def method(self, *, {args}):\n"
+                    "        pass\n")
+    monkeypatch.setitem(MODULES, "clusterlm.wide_fake", fake)
+    assert sorted(b.split()[1] for b in wide_public_functions() if "wide.py" in b) == ["method:", "wide:"]
+
+
+# cli.py parses and maps errors to exit codes; the work is in library modules. Its functions are argument
+# types (*_arg), parser builders (add_*_args, build_*parser, the _Parser class), option -> settings mappings
+# (*_config, *_job, train_argv), thin command entries (cmd_*: one call into a library module) and the error
+# map (main, _user_message, _fail, train_here).
+CLI_FUNCTION_FORMS = ("_arg", "add_", "build_", "_config", "_job", "cmd_", "_args")
+CLI_ERROR_MAP = {"main", "_user_message", "_fail", "train_here", "train_argv", "error"}
+MAX_CMD_LINES = 25
+
+
+def cli_work_functions(path: Path | None = None) -> list[str]:
+    """Functions of cli.py that are neither parsing nor error mapping (or a cmd_* entry over 25 lines)."""
+    path = path or MODULES["clusterlm.cli"]
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        name = fn.name
+        if name in CLI_ERROR_MAP:
+            continue
+        if not any(name.endswith(f) or name.startswith(f) or f.strip("_") in name for f in CLI_FUNCTION_FORMS):
+            out.append(f"{_where(path)}:{fn.lineno} {name}: not parsing or error mapping")
+        elif name.startswith("cmd_") and fn.end_lineno - fn.lineno + 1 > MAX_CMD_LINES:
+            out.append(f"{_where(path)}:{fn.lineno} {name}: a command entry doing work ({fn.end_lineno - fn.lineno + 1} "
+                       "lines; move the work into a library module)")
+    return out
+
+
+def test_cli_only_parses_and_maps_errors():
+    bad = cli_work_functions()
+    assert not bad, "cli.py functions that do work (move them into the library):\n" + "\n".join(bad)
+
+
+def test_the_cli_rule_sees_work(tmp_path):
+    fake = tmp_path / "cli.py"
+    fake.write_text("def _ratio_arg(v):\n    return v\n\n\ndef feature_store_key(a):\n    return a\n\n\n"
+                    "def cmd_big(a):\n" + "    x = 1\n" * 30)
+    bad = cli_work_functions(fake)
+    assert [b.split()[1] for b in bad] == ["feature_store_key:", "cmd_big:"]

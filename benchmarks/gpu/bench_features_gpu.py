@@ -356,7 +356,7 @@ def section_featurize(smoke: bool) -> tuple[dict, list[dict]]:
     rows = [["training step (fwd + bwd + AdamW)", f"{t_train / n_batches * 1e3:.0f}", "1.00", f"{n_tok / t_train:.0f}"]]
     targets = []
     for preset, goal in (("paper", 0.5), ("lm_head", 0.5), ("all-linear", 1.0)):
-        feat = GradientFeaturizer(model, layers=preset, dim=None if preset == "paper" else (64, 64))
+        feat = GradientFeaturizer(model, features=preset, dim=None if preset == "paper" else (64, 64))
         t = wall(lambda f=feat: f.featurize(data, batch_tokens=bsz * seq, progress=False))
         rows.append([f"featurize {preset!r}", f"{t / n_batches * 1e3:.0f}", f"{t / t_train:.2f}", f"{n_tok / t:.0f}"])
         targets.append(

@@ -5,6 +5,7 @@
 #include "cpu/thread_scope.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -38,6 +39,20 @@ int openmp_max_threads() {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Seconds since the last lap (or construction).
+class Stopwatch {
+ public:
+  double lap() {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    return s;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
 
 // Rows per reduction chunk. It depends on n only, never on the thread count, so every floating
 // point sum is combined in the same order whatever the number of threads.
@@ -457,9 +472,12 @@ template <typename T>
 KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t* lo, const int64_t* hi,
                                  const T* init, const KMeansParams& p) {
   ThreadScope threads(p.n_threads);
+  Stopwatch watch;
+  PhaseTimes ph;
   const int64_t k = p.k;
   if (init) check_finite("capacity_kmeans", "init", init, k, d);
   Prepared<T> prep = prepare("capacity_kmeans", x, n, d, p.spherical);
+  ph.prepare += watch.lap();
   std::vector<double> dist(static_cast<size_t>(n) * k);
   std::vector<T> ct;
   std::vector<double> cn;
@@ -481,6 +499,7 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
     }
     if (p.spherical) normalise_rows(cent, k, d);
     check_range<T>("capacity_kmeans", "init", max_abs(cent));
+    ph.init += watch.lap();
 
     AuctionState prices;
     std::vector<int64_t> labels, new_labels(n);
@@ -491,7 +510,9 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
     for (it = 1; it <= p.max_iter; ++it) {
       to_T(cent, k, d, ct, cn);
       sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data());
+      ph.distance += watch.lap();
       rounds += auction_assign(dist.data(), n, k, lo, hi, prices, new_labels.data());
+      ph.auction += watch.lap();
       double cost = chunked_sum(n, [&](int64_t i) { return dist[i * k + new_labels[i]]; });
       if (!labels.empty()) {
         const double prev = chunked_sum(n, [&](int64_t i) { return dist[i * k + labels[i]]; });
@@ -507,7 +528,9 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
       history.push_back(cost);
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; ++i) own[i] = dist[i * k + labels[i]];
+      ph.objective += watch.lap();
       update_centroids(prep, n, d, k, labels, own, p.spherical, cent);
+      ph.update += watch.lap();
       if (same || improved <= p.tol * std::fabs(ref)) {
         converged = true;
         break;
@@ -516,6 +539,7 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
     if (it > p.max_iter) it = p.max_iter;
     std::vector<double> exact;
     const double final_cost = exact_own_distances(prep, n, d, cent, labels, exact);
+    ph.finish += watch.lap();
     if (final_cost < best_final) {
       best_final = final_cost;
       best.labels = labels;
@@ -529,6 +553,7 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
   }
   // Every restart's objective was NaN: nothing to return (best_cent is empty).
   if (best_cent.empty()) throw std::invalid_argument("capacity_kmeans: no finite objective (x out of range)");
+  best.seconds = ph;
   const double scale = p.spherical ? 0.5 : 1.0;  // |a - b|^2 = 2 (1 - cos) for unit vectors
   best.inertia = best_final * scale;
   for (double& v : best.distances) v *= scale;

@@ -32,6 +32,17 @@ struct KMeansParams {
   int n_threads = 0;      // OpenMP threads (0: the OpenMP default)
 };
 
+// Wall seconds per phase of capacity_kmeans_cpu, summed over restarts and Lloyd iterations.
+struct PhaseTimes {
+  double prepare = 0.0;    // checks, centring (or unit rows), row norms
+  double init = 0.0;       // k-means++
+  double distance = 0.0;   // distance tiles (and, without capacities, the fused argmin)
+  double auction = 0.0;    // the capacity auction (its argmin included)
+  double objective = 0.0;  // objective of the new and the previous labels, own distances
+  double update = 0.0;     // centroid update
+  double finish = 0.0;     // exact own distances of the final labels
+};
+
 struct KMeansOutput {
   std::vector<int64_t> labels;      // (n,)
   std::vector<double> centroids;    // (k, d), in the caller's frame (mean added back)
@@ -41,6 +52,7 @@ struct KMeansOutput {
   int n_iter = 0;
   bool converged = false;
   int64_t auction_rounds = 0;       // total over the best restart
+  PhaseTimes seconds;               // over all restarts
 };
 
 // Dual prices kept between calls for warm starts (empty: cold start).

@@ -9,10 +9,11 @@ Importing ``clusterlm`` does not import transformers; the featurizer, models and
 integration (``clusterlm.integrations.hf``) load it when used.
 """
 
+from clusterlm.allocation import selection_weights
 from clusterlm.data import SFTDataset, collate, fingerprint, load_data
 from clusterlm.features import LAYER_PRESETS, GradientFeaturizer
 from clusterlm.loss import per_example_loss, weighted_loss
-from clusterlm.plan import Plan, selection_weights
+from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
 from clusterlm.select import select, select_from_features
 from clusterlm.store import FeatureStore

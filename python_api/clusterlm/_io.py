@@ -13,10 +13,20 @@ space there or choose another output directory``. :func:`storage_errors` turns s
 writer (a library that writes a directory itself) into the same error; :func:`append_text` appends a record
 to a log and takes a cut-off record back out when the disk fills in the middle of it.
 
-Run directories. :class:`DirLock` is an exclusive ``flock`` on ``DIR/.clusterlm.lock`` that names its holder
-(pid and host) for the life of a run; a second run is refused with :class:`LockedError` naming that pid. The
-kernel drops the lock with its process, so the file of a dead run locks nothing. Where ``fcntl`` is missing
-(Windows) nothing is locked.
+Locks. :class:`FileLock` is the one lock implementation: an exclusive ``flock`` of a file (or a directory),
+blocking or not, with the holder's record (pid, host, since) written into the file and a same-file check, so
+a lock file that its releaser removed is never locked by mistake. The kernel drops a lock with its process, so
+the file of a dead process locks nothing. :class:`DirLock` is the lock of a run directory
+(``DIR/.clusterlm.lock``, held for the life of a run; a second run is refused with :class:`LockedError` naming
+the holder's pid); the feature store claims its shards with :class:`FileLock` and serialises its manifest
+updates with a blocking :class:`FileLock` of its directory. A temporary file of :func:`atomic_write` is locked
+by its writer until it is renamed into place, so :func:`remove_temporaries` and :func:`remove_stale` (the
+clean-ups after a killed run) take only what nobody holds. Where ``fcntl`` is missing (Windows) or the file
+system refuses ``flock``, nothing is locked (one writer at a time is assumed).
+
+Versioned JSON. :func:`read_versioned_json` reads a JSON object that names its format and version (plan.json,
+a feature store's manifest.json) and refuses, in one line naming the file, one that is truncated, foreign or of
+a version this clusterlm does not read.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,9 +50,10 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "LOCK_FILE", "STORAGE_ERRNOS", "DirLock", "LockedError", "StorageError", "append_text", "atomic_write",
-    "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "fsync_dir", "lock_holder",
-    "remove_temporaries", "storage_errno", "storage_error", "storage_errors",
+    "LOCK_FILE", "STORAGE_ERRNOS", "DirLock", "FileLock", "LockedError", "StorageError", "append_text",
+    "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "fsync_dir", "holder_record",
+    "lock_holder", "read_versioned_json", "remove_stale", "remove_temporaries", "same_file", "storage_errno",
+    "storage_error", "storage_errors",
 ]
 
 # errno -> (what ran out, what to do)
@@ -203,7 +215,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
     """
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp, lock = _temporary(path)
     except OSError as e:
         raise storage_error(e, path, needed=size) from e
     written = None
@@ -220,15 +232,39 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
             raise
         f.close()  # network file systems report some write errors only here
         os.chmod(tmp, _CREATE_MODE)  # mkstemp creates 0600; a plan or checkpoint gets a normal file's mode
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # while the temporary file is still locked: no clean-up takes it meanwhile
     except BaseException as e:
         _remove(tmp)
         err = storage_error(e, path, needed=size, written=written)
         if err is e:
             raise
         raise err from e
+    finally:
+        if lock is not None:
+            os.close(lock)
     fsync_dir(path.parent)
     return path
+
+
+def _temporary(path: Path) -> tuple[int, str, int | None]:
+    """A new temporary sibling of ``path``: (fd, name, lock fd).
+
+    The lock fd (a duplicate that holds the file's ``flock``; None where nothing can be locked) keeps the file
+    from the clean-ups of other processes (:func:`remove_stale`) until the caller closes it, after the rename.
+    """
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        state = _flock(fd, blocking=False)
+        if state is None:
+            return fd, tmp, None
+        if state and same_file(fd, tmp):
+            try:
+                return fd, tmp, os.dup(fd)
+            except OSError:
+                os.close(fd)
+                _remove(tmp)
+                raise
+        os.close(fd)  # a clean-up took it for a dead writer's file and removes it: make another
 
 
 def _umask() -> int:
@@ -279,23 +315,21 @@ def append_text(path: str | os.PathLike, text: str) -> None:
 
 
 def remove_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Remove what an interrupted :func:`atomic_write` left in ``directory`` (``.<name>.<random>.tmp``).
+    """Remove what interrupted :func:`atomic_write` calls left in ``directory`` (``.<name>.<random>.tmp``).
 
-    Only for a directory this process owns (under :class:`DirLock`): another writer's live temporary
-    file looks the same.
+    A writer holds its temporary file's lock until the rename, so a live writer's file is left alone
+    (:func:`remove_stale`).
     """
     removed = []
     with contextlib.suppress(OSError):
         for p in Path(directory).iterdir():
-            if _TEMPORARY.match(p.name) and p.is_file():
-                with contextlib.suppress(OSError):
-                    p.unlink()
-                    removed.append(p)
+            if _TEMPORARY.match(p.name) and p.is_file() and remove_stale(p):
+                removed.append(p)
     return removed
 
 
 # ---------------------------------------------------------------------------------------------------
-# The lock of a run directory
+# Locks
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -308,37 +342,175 @@ class LockedError(RuntimeError):
         self.holder = holder
 
 
-def _describe(text: str) -> str:
-    """'pid 1234' (and 'on host X' when that is not this host) from a lock file's 'PID HOST' line."""
-    parts = text.split()
-    if not parts:
-        return "pid unknown"
-    where = f" on host {parts[1]}" if len(parts) > 1 and parts[1] != socket.gethostname() else ""
-    return f"pid {parts[0]}{where}"
-
-
-def lock_holder(directory: str | os.PathLike) -> str | None:
-    """Who holds ``directory``'s lock ('pid 1234'), None when no live process does (it is not taken)."""
-    path = Path(directory) / LOCK_FILE
-    if fcntl is None or not path.is_file():
+def _flock(fd: int, *, blocking: bool, shared: bool = False) -> bool | None:
+    """``flock`` ``fd``: True taken, False held elsewhere (only when not blocking), None where nothing can be
+    locked (no ``fcntl``, or a file system that refuses ``flock``)."""
+    if fcntl is None:
         return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # pragma: no cover - a file system without flock (some network file systems)
+        return None
+
+
+def same_file(fd: int, path: str | os.PathLike) -> bool:
+    """``fd`` is still the file at ``path`` (it was not removed or replaced since it was opened)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _record(raw: bytes) -> dict[str, Any]:
+    """A lock file's holder record: ``{"pid", "host", "since"}`` (JSON; an older clusterlm wrote 'PID HOST')."""
+    text = raw.decode(errors="replace").strip()
+    try:
+        record = json.loads(text)
+    except ValueError:
+        parts = text.split()
+        if not parts or not parts[0].isdigit():
+            return {}
+        return {"pid": int(parts[0]), "host": parts[1] if len(parts) > 1 else None}
+    return dict(record) if isinstance(record, dict) else {}
+
+
+def holder_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """``{"pid", "host", "since"}`` of the live process that holds ``path``'s lock ({} when it wrote none
+    readable), None when no live process holds it (probes the lock; nothing is taken)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _describe(os.pread(fd, 256, 0).decode(errors="replace"))
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        if _flock(fd, blocking=False, shared=True) is not False:
+            return None  # (closing the fd drops the probe's shared lock)
+        return _record(os.pread(fd, 4096, 0))
     finally:
         os.close(fd)
 
 
+def remove_stale(path: str | os.PathLike) -> bool:
+    """Remove ``path`` unless a live process holds its lock (a writer's temporary file, a claim); True when removed.
+
+    Where nothing can be locked every such file is stale. A file that was replaced meanwhile is left alone.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if _flock(fd, blocking=False) is False or not same_file(fd, path):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+class FileLock:
+    """An exclusive ``flock`` of one file (or directory), held from :meth:`acquire` until :meth:`release`.
+
+    The holder writes its record ``{"pid", "host", "since"}`` into the file (:func:`holder_record` reads it), so
+    a process refused the lock can say who holds it. A file removed by its releaser between this process's open
+    and its lock is not locked by mistake: the lock is taken again on the file now at the path (same-file
+    check). Use as ``with FileLock(p):`` (waits) or ``FileLock(p).acquire()`` (does not).
+
+    Args:
+        path: the lock file (created if missing; its directory must exist) or, with ``directory=True``, an
+            existing directory (locked as it is; no record).
+        directory: lock the directory ``path`` itself.
+        remove: :meth:`release` removes the file (a claim: the file means nothing once released).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, directory: bool = False, remove: bool = False) -> None:
+        self.path = Path(path)
+        self.directory = directory
+        self.remove = remove
+        self._fd: int | None = None
+        self._unlocked = False  # acquired where nothing can be locked
+
+    def acquire(self, *, blocking: bool = False) -> bool:
+        """Take the lock; ``blocking``: wait while another process holds it.
+
+        Returns:
+            True when this object holds it now (also where nothing can be locked); False when another live
+            process holds it (only without ``blocking``).
+
+        Raises:
+            OSError: the file cannot be opened or created (its directory is missing or not writable).
+        """
+        if self.held:
+            return True
+        if fcntl is None:  # pragma: no cover - Windows
+            self._unlocked = True
+            return True
+        flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)) if self.directory else (os.O_RDWR | os.O_CREAT)
+        while True:
+            fd = os.open(self.path, flags, 0o644)
+            state = _flock(fd, blocking=blocking)
+            if state is False:
+                os.close(fd)
+                return False
+            if state is None or self.directory or same_file(fd, self.path):
+                break
+            os.close(fd)  # removed by its releaser after we opened it: lock the file now there
+        if not self.directory:
+            with contextlib.suppress(OSError):  # who holds it, for the others' messages (a courtesy)
+                info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, info.encode(), 0)
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        """Drop the lock (removing the file first when ``remove``); nothing happens when it is not held."""
+        self._unlocked = False
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        if self.remove and same_file(fd, self.path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # before unlocking: a waiter then finds the file gone and makes a new one
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        """This object holds the lock (or acquired it where nothing can be locked)."""
+        return self._fd is not None or self._unlocked
+
+    def __enter__(self) -> FileLock:
+        self.acquire(blocking=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _describe(record: dict[str, Any]) -> str:
+    """'pid 1234' (and 'on host X' when that is not this host) from a holder record."""
+    if not record.get("pid"):
+        return "pid unknown"
+    host = record.get("host")
+    where = f" on host {host}" if host and host != socket.gethostname() else ""
+    return f"pid {record['pid']}{where}"
+
+
+def lock_holder(directory: str | os.PathLike) -> str | None:
+    """Who holds ``directory``'s lock ('pid 1234'), None when no live process does (it is not taken)."""
+    record = holder_record(Path(directory) / LOCK_FILE)
+    return None if record is None else _describe(record)
+
+
 class DirLock:
-    """An exclusive lock on ``directory`` (``flock`` of ``DIR/.clusterlm.lock``), held until :meth:`release`.
+    """An exclusive lock on ``directory`` (a :class:`FileLock` of ``DIR/.clusterlm.lock``), held until
+    :meth:`release`.
 
     Use as ``with DirLock(out):`` or ``lock = DirLock(out).acquire()``. The directory is created if needed.
     """
@@ -346,7 +518,7 @@ class DirLock:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self.path = self.directory / LOCK_FILE
-        self._fd: int | None = None
+        self._lock = FileLock(self.path)
 
     def acquire(self) -> DirLock:
         """Take the lock without waiting.
@@ -354,37 +526,74 @@ class DirLock:
         Raises:
             LockedError: another live process holds it (the message names its pid).
         """
-        if fcntl is None or self._fd is not None:
+        if self._lock.held:
             return self
         with storage_errors(self.path):
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode(errors="replace")
-            os.close(fd)
-            raise LockedError(self.directory, _describe(holder)) from None
-        with contextlib.suppress(OSError):  # the name of the holder is a courtesy; the lock is the flock
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        self._fd = fd
+            taken = self._lock.acquire()
+        if not taken:
+            raise LockedError(self.directory, _describe(holder_record(self.path) or {}))
         return self
 
     def release(self) -> None:
         """Drop the lock (the file stays: removing it would race a process that just opened it)."""
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._lock.held
 
     def __enter__(self) -> DirLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Versioned JSON files
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_versioned_json(path: str | os.PathLike, kind: str, supported: Collection[int], *, who: str, what: str,
+                        fix: str, version_fix: str = "use the clusterlm that wrote it") -> tuple[dict[str, Any], int]:
+    """A JSON object of format ``kind`` in a version this clusterlm reads, and that version.
+
+    The object names its format and version (``{"format": kind, "version": N, ...}``); a format spelled
+    ``"kind/N"`` without a version (the feature store's version 1) is version N.
+
+    Args:
+        path: the file.
+        kind: the format it must name (``"clusterlm.plan"``).
+        supported: the versions this clusterlm reads.
+        who: what reads it, the start of every message (``"Plan.load"``).
+        what: what the file is, for messages (``"clusterlm plan file"``).
+        fix: what to do about a truncated or foreign file (a sentence).
+        version_fix: what to do about a version not in ``supported`` (a clause).
+
+    Returns:
+        (the object, its version).
+
+    Raises:
+        FileNotFoundError: no such file (the caller knows what to make).
+        ValueError: not JSON (truncated, empty, binary), not an object of format ``kind``, or a version not in
+            ``supported``; one line naming the file.
+    """
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{who}: {path} is not valid JSON ({e}): it is truncated or not a {what}. {fix}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{who}: {path} is not a {what} (it holds a JSON {type(obj).__name__}, not an object "
+                         f"of format {kind!r}). {fix}")
+    found, version = obj.get("format"), obj.get("version")
+    if isinstance(found, str) and version is None and found.startswith(f"{kind}/") and found[len(kind) + 1:].isdigit():
+        found, version = kind, int(found[len(kind) + 1:])
+    if found != kind:
+        raise ValueError(f"{who}: {path} is not a {what} (its format is {found!r}, {kind!r} expected). {fix}")
+    if type(version) is not int or version not in supported:
+        readable = " or ".join(str(v) for v in sorted(supported))
+        raise ValueError(f"{who}: {path} has format version {version!r}; this clusterlm reads version {readable}: "
+                         f"{version_fix}.")
+    return obj, version

@@ -27,6 +27,11 @@ reports), while the order within a rank is still random, not a length curriculum
 :class:`clusterlm.sampler.PlanSampler` that reshuffles per epoch permutes positions with one shared
 permutation, which keeps this alignment. Without token balancing each rank's list is shuffled
 independently (what a ``DistributedSampler`` over the rank's examples would do).
+
+Weights. :func:`selection_weights` gives example ``i`` of cluster ``c`` the weight ``(n_c / N) * (S / s_c)``
+(``n_c`` the cluster's size, ``S`` the number selected, ``s_c`` the number selected from ``c``): ``K n_k / N``
+with one cluster per rank, mean 1 over the selection, so the weighted mean loss estimates the full-data mean
+gradient by cluster. Allocation never changes a cluster's count, so the weights hold for any allocation.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "balance_stats",
     "cluster_owners",
     "rebalance_tokens",
+    "selection_weights",
     "visit_order",
 ]
 
@@ -268,3 +274,76 @@ def balance_stats(rank_lists: Sequence[np.ndarray], lengths: np.ndarray) -> dict
             "mean": float(ratio.mean()), "p95": float(np.quantile(ratio, 0.95)), "max": float(ratio.max())
         }
     return out
+
+
+# ---- weights ----------------------------------------------------------------------------------------
+
+
+def selection_weights(
+    labels: np.ndarray | Sequence[int], selected: np.ndarray | Sequence[int], n_clusters: int
+) -> np.ndarray:
+    """Per-example weights ``w_i = (n_c / N') * (S / s_c)`` of a selection drawn from clusters.
+
+    ``n_c`` is the size of cluster ``c``, ``s_c`` the number of examples selected from it, ``S = sum s_c``.
+    ``N'`` is the total size of the clusters that have at least one selected example; it equals ``N``
+    whenever every cluster is represented (the method's case). A cluster with nothing selected cannot be
+    represented, so it gets no weight and the others are renormalised over ``N'``, which keeps the mean
+    weight over the selection exactly 1 (the plan invariant).
+
+    Args:
+        labels: (N,) integer cluster of every example, each in ``[0, n_clusters)``. For a selection
+            without clustering pass zeros and ``n_clusters=1`` (every selected weight is then 1).
+        selected: a boolean mask of shape (N,) or the integer indices of the selected examples (unique).
+        n_clusters: number of clusters C (clusters may be empty).
+
+    Returns:
+        (N,) float64: the weight of every selected example, 0 elsewhere; mean over the selection is 1.
+
+    Raises:
+        ValueError: labels out of range or not 1-D, a mask of the wrong length, indices out of range
+            or repeated, an empty selection.
+    """
+    if isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) or n_clusters < 1:
+        raise ValueError(f"selection_weights: n_clusters must be a positive int, got {n_clusters!r}.")
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer) or labels.size == 0):
+        raise ValueError(
+            f"selection_weights: labels must be a 1-D integer array, got shape {labels.shape} dtype {labels.dtype}."
+        )
+    labels = labels.astype(np.int64)
+    n = len(labels)
+    if n and (labels.min() < 0 or labels.max() >= n_clusters):
+        raise ValueError(
+            f"selection_weights: labels must lie in [0, {n_clusters}), got values in [{labels.min()}, "
+            f"{labels.max()}]; for a selection without clustering pass zeros and n_clusters=1."
+        )
+    mask = _selection_mask(selected, n, "selection_weights: selected")
+    if not mask.any():
+        raise ValueError("selection_weights: the selection is empty; select at least one example.")
+    sizes = np.bincount(labels, minlength=n_clusters).astype(np.float64)
+    chosen = np.bincount(labels[mask], minlength=n_clusters).astype(np.float64)
+    represented = chosen > 0
+    total = float(chosen.sum())
+    per_cluster = np.zeros(n_clusters, dtype=np.float64)
+    per_cluster[represented] = (sizes[represented] / sizes[represented].sum()) * (total / chosen[represented])
+    weights = np.zeros(n, dtype=np.float64)
+    weights[mask] = per_cluster[labels[mask]]
+    return weights
+
+
+def _selection_mask(selected: Any, n: int, what: str) -> np.ndarray:
+    sel = np.asarray(selected)
+    if sel.dtype == np.bool_:
+        if sel.shape != (n,):
+            raise ValueError(f"{what}: a boolean mask must have shape ({n},), got {sel.shape}.")
+        return sel.copy()
+    if sel.ndim != 1 or not (np.issubdtype(sel.dtype, np.integer) or sel.size == 0):
+        raise ValueError(f"{what}: expected a boolean mask or 1-D integer indices, got shape {sel.shape} {sel.dtype}.")
+    sel = sel.astype(np.int64)
+    if sel.size and (sel.min() < 0 or sel.max() >= n):
+        raise ValueError(f"{what}: indices must lie in [0, {n}), got values in [{sel.min()}, {sel.max()}].")
+    mask = np.zeros(n, dtype=bool)
+    mask[sel] = True
+    if int(mask.sum()) != sel.size:
+        raise ValueError(f"{what}: indices must be unique, got {sel.size - int(mask.sum())} repeated.")
+    return mask

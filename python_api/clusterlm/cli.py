@@ -17,62 +17,27 @@ Commands:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shutil
 import sys
-import tempfile
-import time
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import numpy as np
-
-from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
 from clusterlm import train as trainer
-from clusterlm._io import LockedError, StorageError, atomic_write_json, storage_errno, storage_error
+from clusterlm._io import LockedError, StorageError
 from clusterlm.baselines import baseline_plan, is_baseline_spec
 from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, run_compare
-from clusterlm.data import CHAT_TEMPLATE_MODES, load_data, read_data
-from clusterlm.demo import demo_data
-from clusterlm.distributed import featurize_sharded
+from clusterlm.config import CLUSTERINGS, SelectConfig
+from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH
 from clusterlm.export import export_files
-from clusterlm.features import LAYER_PRESETS
-from clusterlm.launch import (
-    SELECT_MODULE,
-    barrier,
-    init_distributed,
-    report_failure,
-    reported_by_launcher,
-    spawn,
-    strip_options,
-    under_torchrun,
-)
-from clusterlm.models import load_model
-from clusterlm.picking import l2_normalise
+from clusterlm.features import DEFAULT_BATCH_TOKENS, LAYER_PRESETS
+from clusterlm.launch import argv_of, report_failure, reported_by_launcher, under_torchrun
+from clusterlm.models import DTYPES
+from clusterlm.pipeline import SelectJob, SpawnFailed, run_select
 from clusterlm.plan import Plan
-from clusterlm.report import draw_report, save_report_data
-from clusterlm.select import (
-    CLUSTERINGS,
-    build_featurizer,
-    check_select_args,
-    resolve_feature_tokens,
-    resolve_seed,
-    select,
-    select_from_features,
-)
-from clusterlm.store import FeatureStore
-
-DEMO_OUT = "runs/demo"
-
-
-def _stage(step: str, text: str) -> float:
-    print(f"[{step}] {text}", flush=True)
-    return time.perf_counter()
+from clusterlm.report import draw_report
+from clusterlm.run_demo import DEMO_OUT, run_demo
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,14 +45,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-class _Exit(Exception):
-    """Leave with ``code``: what went wrong is printed already (by the ranks of a spawned run)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 def _size_arg(value: str) -> int | str | None:
@@ -162,217 +119,30 @@ def _dim_arg(value: str) -> int | tuple[int, int]:
     raise argparse.ArgumentTypeError(f"expected an int >= 1 (1024) or K_OxK_I (32x32), got {value!r}")
 
 
-def writable_dir(path: str | os.PathLike, option: str) -> Path:
-    """``path`` as a directory this process can write into: created when missing, checked with a probe file.
-
-    Raises:
-        ValueError: ``path`` is a file, sits under a file, or cannot be created or written (one line naming
-            ``option`` and the path).
-        StorageError: the disk (or quota) is full.
-    """
-    if not str(path).strip():
-        raise ValueError(f"{option} is empty; give a directory (created when missing).")
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{option} {p} is not a directory (it is a file); give a directory (created when missing).")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".clusterlm-probe-", dir=p)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        if storage_errno(err) is not None:
-            raise storage_error(err, p) from err
-        blocker = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
-        if blocker is not None:
-            raise ValueError(f"{option} {p} is not a directory: {blocker} is a file; give another path.") from err
-        raise ValueError(
-            f"{option} {p} is not writable ({err.strerror or err}); give a directory you can write to."
-        ) from err
-    return p
-
-
-def _select_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The selection's arguments (as :func:`clusterlm.select.select` takes them) from ``clusterlm select``'s."""
-    return dict(world_size=args.world_size, ratio=args.ratio, budget=args.budget, token_ratio=args.token_ratio,
-                token_budget=args.token_budget, preset=args.preset, seed=args.seed, clustering=args.clustering,
-                max_cluster_size=args.max_cluster_size, min_cluster_size=args.min_cluster_size,
-                within_cluster=args.within_cluster, allocation=args.allocation,
-                clusters_per_rank=args.clusters_per_rank)
-
-
-def check_select_options(args: argparse.Namespace) -> None:
-    """Every ``clusterlm select`` option and the output locations, before any model or data loads.
-
-    Raises:
-        ValueError / TypeError: a bad option (named); FileNotFoundError: no such ``--data``.
-    """
-    check_select_args(**_select_options(args), features=args.features, feature_tokens=args.feature_tokens)
-    if isinstance(args.data, (str, os.PathLike)) and not Path(args.data).expanduser().exists():
-        raise FileNotFoundError(f"select: --data {args.data}: no such file or directory.")
-    writable_dir(args.out, "--out")
-    if args.feature_store:
-        writable_dir(args.feature_store, "--feature-store")
-
-
-_STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
-
-
-def _feature_store(args: argparse.Namespace, data: Any, model_id: str, features: Any) -> Path:
-    """``--feature-store``, else ``OUT/features``: emptied first when it holds features of other data or settings.
-
-    A failure after the features are computed loses nothing (the rerun resumes from the store); a rerun with
-    another model, data, feature choice or seed into the same OUT recomputes instead of failing on the store.
-    """
-    if args.feature_store:
-        return Path(args.feature_store)
-    store = Path(args.out) / "features"
-    key = json.loads(json.dumps({
-        "model": model_id.rpartition("@")[2], "data": data.fingerprint(), "features": features, "dim": args.dim,
-        "seed": args.seed, "preset": args.preset, "feature_tokens": args.feature_tokens,
-    }))
-    try:
-        found = json.loads((store / _STORE_KEY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        found = None
-    if found == key and FeatureStore(store).exists:
-        print(f"      features: resuming from {store}", flush=True)
-    elif store.exists():
-        print(f"      features: {store} holds features of other data or settings; computing them again", flush=True)
-        shutil.rmtree(store)
-    store.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(store / _STORE_KEY, key)
-    return store
-
-
-def _data_config(args: argparse.Namespace, data: Any) -> dict[str, Any]:
-    """What the plan records about its data: ``train`` takes max_length from it; with rendering, a mismatch of
-    ``--max-length`` or ``--chat-template`` can be named instead of a differing content hash."""
-    return {"source": str(args.data), "max_length": args.max_length, "n_truncated": data.n_truncated,
-            "format": data.format, "rendering": data.rendering}
-
-
-def _run_select_distributed(args: argparse.Namespace) -> Any:
-    """One rank of ``torchrun -m clusterlm.select``: sharded features, distributed K-means, plan on rank 0."""
-    info = init_distributed()
-    main_rank = info.rank == 0
-    show = main_rank and not args.no_progress
-    out = Path(args.out)
-    features = args.features or ("paper" if args.preset == "paper" else "lm_head")
-    t0 = _stage("1/4", f"model {args.model} on {info.world_size} processes") if main_rank else time.perf_counter()
-    raw = read_data(args.data)
-    model, tokenizer, model_id = load_model(args.model)
-    data = load_data(raw, tokenizer, max_length=args.max_length, progress=show,
-                     chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
-    check_select_args(**_select_options(args), features=features, feature_tokens=args.feature_tokens, n=len(data),
-                      lengths=data.lengths)
-    featurizer = build_featurizer(model, features, dim=args.dim, seed=args.seed,
-                                  max_tokens=resolve_feature_tokens(args.preset, args.feature_tokens))
-    store_dir = _feature_store(args, data, model_id, features) if main_rank else None
-    barrier()  # rank 0 has emptied a stale OUT/features
-    store_dir = store_dir or (Path(args.feature_store) if args.feature_store else out / "features")
-    if main_rank:
-        _stage("2/4", f"gradient features ({features}), sharded over {info.world_size} processes -> {store_dir}")
-    t1 = time.perf_counter()
-    part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
-                             batch_tokens=args.batch_tokens, progress=show)
-    x_local = part.local()
-    timings = {"features": time.perf_counter() - t1}
-
-    def clustering(n_clusters: int, *, min_size: Any, max_size: Any, n_init: int, max_iter: int, seed: int,
-                   l2_normalize: bool) -> Any:
-        xl = l2_normalise(x_local) if l2_normalize else x_local  # per row: the same as normalising globally
-        # init_sample_size = N: k-means++ on all rows, so the plan equals the single-process one
-        res = distributed_capacity_kmeans(xl, n_clusters, min_size=min_size, max_size=max_size, n_init=n_init,
-                                          max_iter=max_iter, seed=seed, init_sample_size=len(data), progress=show)
-        return SimpleNamespace(labels=allgather_rows(np.asarray(res.labels, dtype=np.int64)),
-                               distances=allgather_rows(np.asarray(res.distances, dtype=np.float64)),
-                               inertia=res.inertia, n_iter=res.n_iter, converged=res.converged)
-
-    full = FeatureStore(store_dir).features()
-    plan = select_from_features(
-        full, **_select_options(args), lengths=data.lengths,
+def select_config(args: argparse.Namespace) -> SelectConfig:
+    """The :class:`clusterlm.SelectConfig` of ``clusterlm select``'s options."""
+    return SelectConfig(
+        world_size=args.world_size, ratio=args.ratio, budget=args.budget, token_ratio=args.token_ratio,
+        token_budget=args.token_budget, preset=args.preset, features=args.features, dim=args.dim,
+        feature_tokens=args.feature_tokens, seed=args.seed, clustering=args.clustering,
+        max_cluster_size=args.max_cluster_size, min_cluster_size=args.min_cluster_size,
+        within_cluster=args.within_cluster, allocation=args.allocation,
         token_balance=None if args.token_balance is None else args.token_balance == "on",
-        fingerprint=data.fingerprint(), model_id=model_id, timings=timings, cluster_fn=clustering,
-        extra_config={"features": featurizer.config() | {"layers_preset": features},
-                      "selection_processes": info.world_size},
+        clusters_per_rank=args.clusters_per_rank, batch_tokens=args.batch_tokens,
     )
-    plan.config["data"] = _data_config(args, data)
-    if main_rank:
-        _stage("3/4", f"writing {out}/plan.json, plan.npz")
-        plan.save(out)
-        save_report_data(out, full, seed=args.seed)
-        _stage("4/4", f"drawing {out}/report.png")
-        draw_report(out, plan)
-        print()
-        print(plan.summary())
-        print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}  "
-              f"[{time.perf_counter() - t0:.1f} s]")
-    barrier()
-    return plan
 
 
-def run_select(args: argparse.Namespace) -> Any:
-    """Check the options, load model and data, select, save the plan and its report; returns the plan.
-
-    Every option and the output location are checked first (:func:`check_select_options`), the data file is
-    read before the model loads, and what needs the data's size is checked before any feature is computed.
-    Features are kept in ``OUT/features`` (or ``--feature-store``), so a failure after extraction loses
-    nothing and a rerun resumes.
-
-    ``--nproc N`` (N > 1) re-launches the command on N processes through ``torch.distributed.run``; under
-    torchrun (``torchrun -m clusterlm.select ...``) every process featurizes its shard of the data into
-    one feature store and the K-means runs distributed (:func:`cluster_kernels.distributed_capacity_kmeans`);
-    rank 0 writes the plan. The plan is the same as the single-process one.
-    """
-    check_select_options(args)
-    args.seed = resolve_seed(args.preset, args.seed)  # the preset's default seed (42 for the paper preset)
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-        return _run_select_distributed(args)
-    if getattr(args, "nproc", 1) > 1:
-        argv = strip_options(args.argv, ("--nproc",)) if getattr(args, "argv", None) else None
-        if argv is None:
-            raise ValueError("select: --nproc needs the command line (use `clusterlm select ... --nproc N`).")
-        debug_env = {"CLUSTERLM_DEBUG": "1"} if getattr(args, "debug", False) else None  # ranks show tracebacks too
-        rc = spawn(SELECT_MODULE, argv, args.nproc, env=debug_env)
-        if rc != 0:
-            raise _Exit(rc)  # the failing rank's line is printed already
-        return Plan.load(args.out)
-    out = Path(args.out)
-    t0 = _stage("1/4", f"model {args.model}")
-    raw = read_data(args.data)  # a bad data file fails before the model loads
-    model, tokenizer, model_id = load_model(args.model)
-    data = load_data(raw, tokenizer, max_length=args.max_length, progress=not args.no_progress,
-                     chat_template=CHAT_TEMPLATE_MODES[args.chat_template])
-    truncated = f", {data.n_truncated} truncated to {args.max_length} tokens" if data.n_truncated else ""
-    print(f"      data {args.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
-          f"{int(data.lengths.sum())} tokens{truncated} "
-          f"[{time.perf_counter() - t0:.1f} s]")
-    features = args.features or ("paper" if args.preset == "paper" else "lm_head")
-    check_select_args(**_select_options(args), features=features, feature_tokens=args.feature_tokens, n=len(data),
-                      lengths=data.lengths)
-    store = _feature_store(args, data, model_id, features)
-    _stage("2/4", f"gradient features ({features}) -> {store}, K-means, world size {args.world_size}")
-    plan, feats = select(
-        model, data, **_select_options(args), features=features, dim=args.dim, feature_tokens=args.feature_tokens,
-        token_balance=None if args.token_balance is None else args.token_balance == "on",
-        feature_store=store, progress=not args.no_progress, batch_tokens=args.batch_tokens, model_id=model_id,
-        return_features=True,
-    )
-    plan.config["data"] = _data_config(args, data)
-    t0 = _stage("3/4", f"writing {out}/plan.json, plan.npz")
-    plan.save(out)
-    save_report_data(out, feats, seed=args.seed)
-    _stage("4/4", f"drawing {out}/report.png")
-    draw_report(out, plan)
-    print()
-    print(plan.summary())
-    print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}")
-    return plan
+def select_job(args: argparse.Namespace) -> SelectJob:
+    """The :class:`clusterlm.pipeline.SelectJob` of ``clusterlm select``'s options."""
+    return SelectJob(model=args.model, data=args.data, out=Path(args.out), config=select_config(args),
+                     max_length=args.max_length, chat_template=args.chat_template, feature_store=args.feature_store,
+                     progress=not args.no_progress, device=args.device, dtype=args.dtype,
+                     nproc=getattr(args, "nproc", 1),
+                     argv=tuple(getattr(args, "argv", None) or ()), debug=getattr(args, "debug", False))
 
 
 def cmd_select(args: argparse.Namespace) -> int:
-    run_select(args)
+    run_select(select_job(args))
     return 0
 
 
@@ -389,7 +159,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _int_at_least(value: str, low: int) -> int:
+def _int_at_least_arg(value: str, low: int) -> int:
     try:
         n = int(value)
     except ValueError:
@@ -399,12 +169,12 @@ def _int_at_least(value: str, low: int) -> int:
     return n
 
 
-def _positive_int(value: str) -> int:
-    return _int_at_least(value, 1)
+def _positive_int_arg(value: str) -> int:
+    return _int_at_least_arg(value, 1)
 
 
-def _non_negative_int(value: str) -> int:
-    return _int_at_least(value, 0)
+def _non_negative_int_arg(value: str) -> int:
+    return _int_at_least_arg(value, 0)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -424,27 +194,27 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one; "
                    "must match the plan's selection)")
-    g.add_argument("--max-length", type=_positive_int, default=None,
+    g.add_argument("--max-length", type=_positive_int_arg, default=None,
                    help="truncate examples to this many tokens (default: the plan's, else 1024)")
 
     g = p.add_argument_group("processes")
-    g.add_argument("--nproc", type=_positive_int, default=None,
+    g.add_argument("--nproc", type=_positive_int_arg, default=None,
                    help="processes on this node; > 1 spawns torch.distributed.run (default 1; ignored under torchrun)")
-    g.add_argument("--nnodes", type=_positive_int, default=1, help="nodes (with --rdzv-endpoint)")
+    g.add_argument("--nnodes", type=_positive_int_arg, default=1, help="nodes (with --rdzv-endpoint)")
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous for --nnodes > 1")
     g.add_argument("--rdzv-id", default="clusterlm", help="rendezvous id shared by the nodes of one run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--threads", type=_positive_int, default=None,
+    g.add_argument("--threads", type=_positive_int_arg, default=None,
                    help="torch CPU threads per rank (default 1 on CPU: deterministic and no oversubscription)")
 
     g = p.add_argument_group("schedule")
-    g.add_argument("--epochs", type=_positive_int, default=1)
-    g.add_argument("--max-steps", type=_positive_int, default=None, help="optimizer steps (overrides --epochs)")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=4, help="examples per rank and forward pass")
-    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--epochs", type=_positive_int_arg, default=1)
+    g.add_argument("--max-steps", type=_positive_int_arg, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--micro-batch-size", type=_positive_int_arg, default=4, help="examples per rank and forward pass")
+    g.add_argument("--grad-accum", type=_positive_int_arg, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
     g.add_argument("--lr-schedule", choices=("cosine", "linear", "constant"), default="cosine")
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=None, help="linear warm-up steps")
+    g.add_argument("--warmup-steps", type=_non_negative_int_arg, default=None, help="linear warm-up steps")
     g.add_argument("--warmup-ratio", type=float, default=0.0, help="warm-up as a fraction of all steps")
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="final learning rate / peak")
     g.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw")
@@ -452,7 +222,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.999)
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    g.add_argument("--seed", type=_non_negative_int, default=0)
+    g.add_argument("--seed", type=_non_negative_int_arg, default=0)
     g.add_argument("--no-epoch-shuffle", action="store_true", help="visit the plan order every epoch")
 
     g = p.add_argument_group("model")
@@ -460,7 +230,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype the weights are loaded in")
     g.add_argument("--gradient-checkpointing", action="store_true")
-    g.add_argument("--lora-r", type=_non_negative_int, default=0, help="LoRA rank (0: full fine-tuning)")
+    g.add_argument("--lora-r", type=_non_negative_int_arg, default=0, help="LoRA rank (0: full fine-tuning)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * r)")
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-targets", default="all-linear",
@@ -469,20 +239,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="torch.use_deterministic_algorithms (auto: on for CPU)")
 
     g = p.add_argument_group("evaluation, checkpoints, logging")
-    g.add_argument("--eval-every", type=_non_negative_int, default=0,
+    g.add_argument("--eval-every", type=_non_negative_int_arg, default=0,
                    help="evaluate every N steps (0: only before the first and after the last step)")
     g.add_argument("--no-initial-eval", action="store_true",
                    help="skip the held-out evaluation before the first step (e.g. when it is known already)")
-    g.add_argument("--eval-batch-size", type=_positive_int, default=8)
-    g.add_argument("--eval-max-examples", type=_positive_int, default=None, help="evaluate on the first N only")
-    g.add_argument("--save-every", type=_non_negative_int, default=0,
+    g.add_argument("--eval-batch-size", type=_positive_int_arg, default=8)
+    g.add_argument("--eval-max-examples", type=_positive_int_arg, default=None, help="evaluate on the first N only")
+    g.add_argument("--save-every", type=_non_negative_int_arg, default=0,
                    help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--keep-checkpoints", type=_positive_int, default=2)
+    g.add_argument("--keep-checkpoints", type=_positive_int_arg, default=2)
     g.add_argument("--resume", nargs="?", const=trainer.LATEST, default=None,
                    help="continue OUT's latest checkpoint (or the given .pt file)")
     g.add_argument("--overwrite", action="store_true", help="start afresh in an OUT that holds an earlier run")
     g.add_argument("--no-save-model", action="store_true", help="do not write OUT/model at the end")
-    g.add_argument("--log-every", type=_positive_int, default=10, help="log line every N steps without a bar")
+    g.add_argument("--log-every", type=_positive_int_arg, default=10, help="log line every N steps without a bar")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -500,45 +270,7 @@ _LAUNCHER_DESTS = tuple(o[2:].replace("-", "_") for o in trainer.LAUNCHER_OPTION
 
 def train_argv(args: argparse.Namespace, *, for_ranks: bool = False) -> list[str]:
     """The command line that parses back into ``args`` (without the launcher options when ``for_ranks``)."""
-    argv: list[str] = []
-    for action in build_train_parser()._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        if for_ranks and action.dest in _LAUNCHER_DESTS:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        opt = max(action.option_strings, key=len)
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(opt)
-        elif action.nargs == "?" and value == action.const:
-            argv.append(opt)
-        else:
-            argv += [opt, str(value)]
-    return argv
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    """Train in this process (under torchrun or alone), or spawn the ranks; returns the exit status.
-
-    A baseline spec (``--plan full`` / ``random:...``) is resolved here, where the baselines are in reach:
-    :func:`clusterlm.baselines.baseline_plan` goes to the trainer, which builds the plan from its data.
-    """
-    nproc = args.nproc or 1
-    trainer.validate_args(args)  # before any process is spawned: one error line instead of one per rank
-    spec = is_baseline_spec(args.plan)
-    if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
-        trainer.check_inputs(args, plan_dir=not spec)  # the ranks check again; this fails before any starts
-        if args.nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
-            trainer.check_unlocked(args.out)
-        plan_ws = None if spec else trainer.plan_world_size(args.plan)
-        if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
-            raise trainer.world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")
-        return trainer.launch(train_argv(args, for_ranks=True), nproc, nnodes=args.nnodes,
-                              rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
-    trainer.train(args, build_plan=baseline_plan if spec else None)
-    return 0
+    return argv_of(build_train_parser(), args, skip=_LAUNCHER_DESTS if for_ranks else ())
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -552,7 +284,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     in a process keeps its traceback.
     """
     try:
-        return _run_train(args)
+        return trainer.run(args, train_argv(args, for_ranks=True),
+                           build_plan=baseline_plan if is_baseline_spec(args.plan) else None)
     except (ValueError, FileNotFoundError, LockedError) as e:
         return report_failure(str(e), 2, e, prefix="clusterlm train")
     except StorageError as e:
@@ -572,71 +305,9 @@ def train_here(argv: list[str]) -> int:
     return main(["train", *argv])
 
 
-def train_demo(
-    plan_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    nproc: int = 2,
-    max_steps: int = 40,
-    micro_batch_size: int = 8,
-    lr: float = 1e-3,
-    eval_every: int = 20,
-    eval_max_examples: int | None = 128,
-    seed: int = 0,
-    progress: bool = True,
-    extra_args: Sequence[str] = (),
-) -> dict[str, Any]:
-    """Train the demo model on the demo data with a plan made by ``clusterlm demo``; returns the summary.
-
-    Args:
-        plan_dir: the plan (made on the demo train split for ``nproc`` ranks).
-        out_dir: output directory (an earlier run there is overwritten).
-        nproc: processes (CPU ranks with gloo, or GPUs).
-        max_steps / micro_batch_size / lr / eval_every / eval_max_examples / seed: trainer options.
-        progress: progress bar.
-        extra_args: further trainer arguments.
-
-    Raises:
-        RuntimeError: the training processes failed.
-    """
-    demo = demo_data()
-    argv = ["--plan", str(plan_dir), "--model", "tiny-llama", "--data", str(demo.train), "--eval-data",
-            str(demo.heldout), "--out", str(out_dir), "--max-steps", str(max_steps), "--micro-batch-size",
-            str(micro_batch_size), "--lr", str(lr), "--warmup-steps", str(max(1, max_steps // 10)),
-            "--eval-every", str(eval_every), "--seed", str(seed), "--overwrite", "--no-save-model"]
-    if eval_max_examples is not None:
-        argv += ["--eval-max-examples", str(eval_max_examples)]
-    if not progress:
-        argv.append("--no-progress")
-    argv += list(extra_args)
-    rc = trainer.launch(argv, nproc, run_here=train_here)
-    if rc != 0:
-        raise RuntimeError(f"train_demo: the trainer exited with status {rc} (its output is above).")
-    return json.loads((Path(out_dir) / trainer.SUMMARY).read_text(encoding="utf-8"))
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    demo = demo_data()
-    print(f"built-in data set: {demo.train} (held-out: {demo.heldout})")
-    out = Path(args.out)
-    sel = build_parser().parse_args(
-        ["select", "--model", "tiny-llama", "--data", str(demo.train), "--world-size", str(args.world_size),
-         "--ratio", str(args.ratio), "--out", str(out / "plan"), "--seed", str(args.seed)]
-        + (["--no-progress"] if args.no_progress else [])
-    )
-    run_select(sel)
-    t_select = time.perf_counter() - t0
-    if args.train_steps > 0:
-        print(f"\n[train] {args.world_size} CPU ranks (gloo), {args.train_steps} steps on the plan", flush=True)
-        summary = train_demo(out / "plan", out / "train", nproc=args.world_size, max_steps=args.train_steps,
-                             seed=args.seed, progress=not args.no_progress)
-        before, after = summary.get("initial_eval_loss"), summary.get("final_eval_loss")
-        if before is not None and after is not None:
-            print(f"held-out answer-token loss: {before:.3f} before -> {after:.3f} after training")
-        print(f"metrics: {out / 'train' / 'metrics.jsonl'}\ncurve:   {out / 'train' / 'training.png'}")
-    print(f"plan:    {out / 'plan' / 'plan.json'}\nreport:  {out / 'plan' / 'report.png'}")
-    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s (selection {t_select:.1f} s)")
+    run_demo(args.out, world_size=args.world_size, ratio=args.ratio, seed=args.seed, train_steps=args.train_steps,
+             progress=not args.no_progress, run_here=train_here)
     return 0
 
 
@@ -646,13 +317,13 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    "or a local HF model directory")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with prompt/response, "
                    "instruction/input/output or messages columns")
-    p.add_argument("--world-size", type=_positive_int, required=True, help="number of ranks (GPUs) that will train")
+    p.add_argument("--world-size", type=_positive_int_arg, required=True, help="number of ranks (GPUs) that will train")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--ratio", type=_fraction_arg, help="fraction of the data to keep, e.g. 0.31")
-    budget.add_argument("--budget", type=_positive_int, help="number of examples to keep")
+    budget.add_argument("--budget", type=_positive_int_arg, help="number of examples to keep")
     budget.add_argument("--token-ratio", type=_fraction_arg,
                         help="fraction of the tokens to keep, e.g. 0.31 (default preset)")
-    budget.add_argument("--token-budget", type=_positive_int, help="number of tokens to keep (default preset)")
+    budget.add_argument("--token-budget", type=_positive_int_arg, help="number of tokens to keep (default preset)")
     p.add_argument("--out", required=True, help="directory for plan.json, plan.npz and report.png")
     p.add_argument("--preset", choices=("default", "paper"), default="default")
     p.add_argument("--features", type=_features_arg, default=None,
@@ -662,7 +333,7 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-tokens", type=_feature_tokens_arg, default=None,
                    help="feature window: tokens per example the features look at (answer start + some prompt), or "
                    "'all'; default: 64 (--preset default), all (--preset paper)")
-    p.add_argument("--seed", type=_non_negative_int, default=None,
+    p.add_argument("--seed", type=_non_negative_int_arg, default=None,
                    help="default: 0 (42 with --preset paper, the authors' default)")
     p.add_argument("--clustering", choices=CLUSTERINGS, default=None,
                    help="paper preset: 'authors' (default: their sklearn K-means + greedy 1.5 N/K cap) or 'exact' "
@@ -672,15 +343,23 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--within-cluster", choices=("farthest", "nearest", "random", "kcenter"), default="farthest")
     p.add_argument("--allocation", choices=("cluster-per-rank", "stratified"), default="cluster-per-rank")
     p.add_argument("--token-balance", choices=("on", "off"), default=None, help="default: on (off for --preset paper)")
-    p.add_argument("--clusters-per-rank", type=_positive_int, default=1)
+    p.add_argument("--clusters-per-rank", type=_positive_int_arg, default=1)
     p.add_argument("--feature-store", default=None,
                    help="directory to keep features in (resumable; default OUT/features)")
-    p.add_argument("--max-length", type=_max_length_arg, default=1024, help="truncate examples to this many tokens")
+    p.add_argument("--max-length", type=_max_length_arg, default=DEFAULT_MAX_LENGTH,
+                   help="truncate examples to this many tokens")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--batch-tokens", type=_positive_int, default=8192, help="padded tokens per featurization forward")
+    p.add_argument("--batch-tokens", type=_positive_int_arg, default=DEFAULT_BATCH_TOKENS,
+                   help="padded tokens per featurization forward")
+    p.add_argument("--device", default="auto",
+                   help="where the model and features run: auto (CUDA when present; cuda:LOCAL_RANK under torchrun), "
+                   "cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights' dtype, loaded straight onto the device: auto (bfloat16 on a CUDA device that "
+                   "supports it, else float32), float32, bfloat16, float16")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--nproc", type=_positive_int, default=1,
+    p.add_argument("--nproc", type=_positive_int_arg, default=1,
                    help="selection processes on this machine (torch.distributed.run; sharded features and "
                    "distributed K-means; the plan is the same as with 1)")
 
@@ -694,7 +373,7 @@ def _methods_arg(value: str) -> list[str]:
 
 
 def _seeds_arg(value: str) -> list[int]:
-    """``3`` -> seeds 0, 1, 2; ``0,5,7`` -> those seeds."""
+    """A bare integer is a count (``3`` -> seeds 0, 1, 2); a comma makes a list (``0,5,7``; one seed: ``5,``)."""
     try:
         if "," in value:
             seeds = [int(v) for v in value.split(",") if v.strip()]
@@ -702,8 +381,11 @@ def _seeds_arg(value: str) -> list[int]:
             seeds = list(range(int(value)))
     except ValueError:
         seeds = []
-    if not seeds or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds >= 0 (0,1,2), got {value!r}")
+    if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):
+        hint = "; for seed 0 alone write --seeds 0," if value.strip() == "0" else ""
+        raise argparse.ArgumentTypeError(
+            f"expected a count >= 1 (3 = seeds 0,1,2) or a comma list of distinct seeds >= 0 (0,5,7; one seed: "
+            f"5,), got {value!r}{hint}")
     return seeds
 
 
@@ -716,7 +398,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
     p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
     p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2], help="count (3) or list (0,1,2)")
+    p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2],
+                   help="a count (3 = seeds 0,1,2) or a comma list of seeds (0,5,7); one chosen seed: a trailing "
+                   "comma (5, = seed 5 only)")
     p.add_argument("--out", default="runs/compare", help="output directory (resumable)")
     p.add_argument("--epochs", type=int, default=1, help="training epochs over each method's selection")
     p.add_argument("--max-steps", type=int, default=None,
@@ -776,10 +460,10 @@ def _add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan directory (clusterlm select --out)")
     p.add_argument("--data", required=True, help="the data the plan was made for: a file or save_to_disk directory")
     p.add_argument("--out", required=True, help="output directory: dataset/, train.jsonl, export.json")
-    p.add_argument("--batch-size", type=_positive_int, default=1,
+    p.add_argument("--batch-size", type=_positive_int_arg, default=1,
                    help="per-device batch size of the consuming trainer (1 for DistributedSampler(shuffle=False))")
-    p.add_argument("--epochs", type=_positive_int, default=1, help="epochs written back to back, each reshuffled")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="plan sampler seed of the per-epoch order")
+    p.add_argument("--epochs", type=_positive_int_arg, default=1, help="epochs written back to back, each reshuffled")
+    p.add_argument("--seed", type=_non_negative_int_arg, default=0, help="plan sampler seed of the per-epoch order")
     p.add_argument("--no-shuffle", action="store_true", help="every epoch in plan order")
     p.add_argument("--drop-last", action="store_true", help="drop each rank's last per-rank %% batch-size examples")
     p.add_argument("--weight-column", default="weight")
@@ -810,11 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_args(p_exp)
     p_exp.set_defaults(func=cmd_export)
     p_demo = sub.add_parser("demo", help="the whole method on the built-in standard-library code data set")
-    p_demo.add_argument("--world-size", type=_positive_int, default=2)
+    p_demo.add_argument("--world-size", type=_positive_int_arg, default=2)
     p_demo.add_argument("--ratio", type=_fraction_arg, default=0.31)
-    p_demo.add_argument("--seed", type=_non_negative_int, default=0)
+    p_demo.add_argument("--seed", type=_non_negative_int_arg, default=0)
     p_demo.add_argument("--out", default=DEMO_OUT)
-    p_demo.add_argument("--train-steps", type=_non_negative_int, default=40,
+    p_demo.add_argument("--train-steps", type=_non_negative_int_arg, default=40,
                         help="optimizer steps of the demo training (0: skip)")
     p_demo.add_argument("--no-progress", action="store_true")
     p_demo.set_defaults(func=cmd_demo)
@@ -864,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     args.debug = debug
     try:
         return args.func(args)
-    except _Exit as e:
+    except SpawnFailed as e:
         return e.code
     except KeyboardInterrupt:
         if not under_torchrun():

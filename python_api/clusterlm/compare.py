@@ -61,6 +61,7 @@ import torch
 
 from clusterlm._io import atomic_write_text
 from clusterlm.baselines import full_plan, ifd_plan, less_plan, random_plan, s2l_plan
+from clusterlm.config import SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
 from clusterlm.engine import CKPT_DIR
@@ -128,8 +129,8 @@ def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.
         return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
     if method in CLUSTER_METHODS:
         budget = {"token_ratio": ratio} if method == "cluster-tokens" else {"ratio": ratio}
-        return select(model, data, world_size=ws, seed=seed, model_id=model_id, progress=False,
-                      **CLUSTER_METHODS[method], **budget)
+        config = SelectConfig(world_size=ws, seed=seed, **CLUSTER_METHODS[method], **budget)
+        return select(model, data, config, model_id=model_id, progress=False)
     if method == "s2l":
         return s2l_plan(model, data, ws, ratio=ratio, seed=seed, lr=args.lr, micro_batch_size=args.micro_batch_size,
                         n_clusters=args.s2l_clusters, proxy_epochs=args.s2l_epochs, model_id=model_id)

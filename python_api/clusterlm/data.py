@@ -40,6 +40,14 @@ a fast tokenizer).
 Truncation. Sequences longer than ``max_length`` keep their head (so the prompt's beginning) and are
 counted in ``SFTDataset.n_truncated``; nothing is dropped silently: an example left without an answer
 token (after the causal shift, i.e. in ``labels[1:]``) raises a ``ValueError`` naming its index.
+
+Empty answers. An example whose answer text is empty or only whitespace (the ``response``, ``completion`` or
+``output``; every trained assistant turn of a conversation) has nothing to featurize or train on but an end-of-turn
+token. When every example is such, :func:`read_data` refuses the data (naming the count and the first lines);
+when some are, :func:`load_data` skips them with one ``UserWarning`` naming how many and where, and records them
+in ``SFTDataset.n_empty`` / ``SFTDataset.empty_indices`` (their positions in the source). The data set, and so a
+plan's indices and fingerprint, holds the other examples in source order; ``clusterlm train`` loads the file the
+same way, so it trains exactly the plan's examples. ``SFTDataset.source_indices`` maps back to the source.
 """
 
 from __future__ import annotations
@@ -48,8 +56,10 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +69,7 @@ import torch
 from cluster_kernels.lm_head_features import IGNORE_INDEX
 
 __all__ = [
+    "DEFAULT_MAX_LENGTH",
     "CHAT_TEMPLATE_MODES",
     "FORMATS",
     "IGNORE_INDEX",
@@ -72,6 +83,7 @@ __all__ = [
     "read_data",
 ]
 
+DEFAULT_MAX_LENGTH = 1024  # tokens per example (select, train and compare truncate to this by default)
 FORMATS = ("prompt-response", "prompt-completion", "alpaca", "chat", "tokenized")
 # The command lines' --chat-template values -> load_data(chat_template=...).
 CHAT_TEMPLATE_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
@@ -93,6 +105,8 @@ class SFTDataset(torch.utils.data.Dataset):
     Attributes:
         lengths: ``(N,)`` int64 tokens per example.
         n_truncated: examples cut to ``max_length``.
+        n_empty: examples of the source skipped for an empty answer (see the module docstring).
+        empty_indices: their 0-based positions among the source's records (``n_empty`` of them, ascending).
         max_length: the truncation length used (None: no truncation).
         source: the file path or a description of the source.
         format: one of :data:`FORMATS`.
@@ -110,6 +124,7 @@ class SFTDataset(torch.utils.data.Dataset):
         source: str = "<memory>",
         format: str = "tokenized",
         rendering: str = "tokenized",
+        empty_indices: Sequence[int] = (),
     ) -> None:
         """Build from per-example int arrays (already checked and truncated by :func:`load_data`).
 
@@ -140,6 +155,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.lengths = lengths
         self.lengths.flags.writeable = False
         self.n_truncated = int(n_truncated)
+        self.empty_indices = tuple(int(i) for i in empty_indices)
+        self.n_empty = len(self.empty_indices)
         self.max_length = max_length
         self.source = source
         self.format = format
@@ -171,8 +188,15 @@ class SFTDataset(torch.utils.data.Dataset):
         return (
             f"SFTDataset(n={len(self)}, format={self.format!r}, rendering={self.rendering!r}, "
             f"tokens={int(self.lengths.sum())}, "
-            f"max_length={self.max_length}, n_truncated={self.n_truncated}, source={self.source!r})"
+            f"max_length={self.max_length}, n_truncated={self.n_truncated}, n_empty={self.n_empty}, "
+            f"source={self.source!r})"
         )
+
+    @property
+    def source_indices(self) -> np.ndarray:
+        """``(N,)`` int64: the position of every example among the source's records (skipped ones left out)."""
+        return np.delete(np.arange(len(self) + self.n_empty, dtype=np.int64),
+                         np.asarray(self.empty_indices, dtype=np.int64))
 
     @property
     def n_answer_tokens(self) -> np.ndarray:
@@ -313,7 +337,7 @@ def load_data(
     source: Any,
     tokenizer: Any = None,
     *,
-    max_length: int | None = 1024,
+    max_length: int | None = DEFAULT_MAX_LENGTH,
     split: str | None = None,
     progress: bool = True,
     chat_template: bool | None = None,
@@ -338,14 +362,15 @@ def load_data(
             (``messages``) always uses the template.
 
     Returns:
-        :class:`SFTDataset`.
+        :class:`SFTDataset`: the examples in source order, without those whose answer text is empty (counted in
+        ``n_empty``, listed in ``empty_indices``, and named in one ``UserWarning``).
 
     Raises:
         FileNotFoundError: ``source`` is a path that does not exist.
         ValueError: unknown file extension, missing columns (the message lists the columns found and the
             accepted formats), an example without an answer token (possibly after truncation; the message
-            names its index and the fix), a bad ``max_length`` or ``split``, no examples,
-            ``chat_template=True`` with a tokenizer that has no template.
+            names its index and the fix), a bad ``max_length`` or ``split``, no examples, only examples with an
+            empty answer, ``chat_template=True`` with a tokenizer that has no template.
         TypeError: an unsupported ``source`` type, non-string text fields, a missing tokenizer.
     """
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
@@ -355,6 +380,7 @@ def load_data(
         )
     raw = source if isinstance(source, RawData) else read_data(source, split)
     columns, description, fmt, n = raw.columns, raw.description, raw.format, len(raw)
+    empty = _refuse_all_empty(raw)
     if fmt == "tokenized":
         input_ids, labels = [], []
         for i in range(n):
@@ -369,7 +395,10 @@ def load_data(
             )
         input_ids, labels, use_template = _tokenize_text(raw, tokenizer, chat_template, progress)
     n_truncated = 0
+    skip = set(empty)
     for i in range(n):
+        if i in skip:
+            continue
         if max_length is not None and len(input_ids[i]) > max_length:
             input_ids[i], labels[i] = input_ids[i][:max_length], labels[i][:max_length]
             n_truncated += 1
@@ -385,9 +414,14 @@ def load_data(
                 "position are -100: an empty response without an eos token, a chat without an assistant turn, "
                 "or fully masked labels); its loss would be undefined. Fix or remove that example."
             )
+    if empty:
+        _warn_skipped(raw, empty)
+        input_ids = [x for i, x in enumerate(input_ids) if i not in skip]
+        labels = [x for i, x in enumerate(labels) if i not in skip]
     return SFTDataset(
         input_ids, labels, n_truncated=n_truncated, max_length=max_length, source=description, format=fmt,
         rendering="tokenized" if fmt == "tokenized" else ("chat-template" if use_template else "plain"),
+        empty_indices=empty,
     )
 
 
@@ -491,6 +525,23 @@ class RawData:
     def __len__(self) -> int:
         return len(next(iter(self.columns.values())))
 
+    @cached_property
+    def empty_answers(self) -> tuple[int, ...]:
+        """0-based indices of the examples whose answer text is empty or only whitespace (see the module docstring).
+
+        The ``response`` / ``completion`` / ``output`` string, or every assistant turn that would be trained in a
+        conversation (one with no assistant turn at all is not counted: it fails later as having no answer token).
+        Values of the wrong type are not counted either (the tokeniser names them).
+        """
+        if self.format == "tokenized":
+            return ()
+        if self.format == "chat":
+            return tuple(i for i, m in enumerate(self.columns["messages"]) if _blank_turns(m))
+        answers = self.columns[_ANSWER_COLUMN[self.format]]
+        if self.format == "prompt-completion" and _conversational(self.columns["prompt"]):
+            return tuple(i for i, m in enumerate(answers) if _blank_turns(m))
+        return tuple(i for i, v in enumerate(answers) if isinstance(v, str) and not v.strip())
+
 
 def read_data(source: Any, split: str | None = None) -> RawData:
     """Read ``source`` and check what needs no tokenizer: the file (UTF-8, JSON syntax), examples, format.
@@ -503,29 +554,86 @@ def read_data(source: Any, split: str | None = None) -> RawData:
 
     Raises:
         FileNotFoundError, ValueError, TypeError: as :func:`load_data` for the same source (a JSON error names
-            the file and its 1-based line; a file without records says so).
+            the file and its 1-based line; a file without records, or whose every answer is empty, says so).
     """
     columns, description = _read_source(source, split)
     if not columns or not len(next(iter(columns.values()))):
         raise ValueError(f"load_data: {description} holds no examples.")
-    return RawData(columns=columns, description=description, format=_detect_format(columns, description))
+    raw = RawData(columns=columns, description=description, format=_detect_format(columns, description))
+    _refuse_all_empty(raw)
+    return raw
+
+
+# The column that holds the answer text, per format (conversations: their assistant turns).
+_ANSWER_COLUMN = {"prompt-response": "response", "prompt-completion": "completion", "alpaca": "output",
+                  "chat": "messages"}
+_SHOWN = 5  # positions named in a message about empty answers
+
+
+def _blank_turns(messages: Any) -> bool:
+    """A list of messages with at least one assistant turn, every one of whose contents is blank."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
+        return False
+    answers = [m.get("content") for m in messages if m.get("role") == "assistant"]
+    return bool(answers) and all(isinstance(a, str) and not a.strip() for a in answers)
+
+
+def _what_is_empty(fmt: str) -> str:
+    return "only empty assistant turns" if fmt == "chat" else f"an empty {_ANSWER_COLUMN[fmt]!r}"
+
+
+def _positions(description: str, indices: Sequence[int]) -> str:
+    """``"lines 4, 9, ..."`` (1-based lines of a JSON Lines file) or ``"examples 3, 8, ..."`` (0-based)."""
+    shown = list(indices[:_SHOWN])
+    lines = _record_lines(description)
+    if lines is not None and all(i < len(lines) for i in shown):
+        text = "line" + "s" * (len(indices) > 1) + " " + ", ".join(str(lines[i]) for i in shown)
+    else:
+        text = "example" + "s" * (len(indices) > 1) + " " + ", ".join(str(i) for i in shown)
+    return text + (", ..." if len(indices) > _SHOWN else "")
+
+
+def _refuse_all_empty(raw: RawData) -> tuple[int, ...]:
+    """The examples with an empty answer; a ValueError when that is every example."""
+    empty = raw.empty_answers
+    if empty and len(empty) == len(raw):
+        what = "the only example has" if len(raw) == 1 else f"all {len(raw)} examples have"
+        raise ValueError(
+            f"load_data: {what} {_what_is_empty(raw.format)} in {raw.description} ({_positions(raw.description, empty)}"
+            "): an example without answer text has nothing to featurize or train on. Fill in the answers "
+            f"({_ANSWER_COLUMN[raw.format]!r}), or check that the file holds the data you meant."
+        )
+    return empty
+
+
+def _warn_skipped(raw: RawData, empty: Sequence[int]) -> None:
+    warnings.warn(
+        f"load_data: skipped {len(empty)} of {len(raw)} examples with {_what_is_empty(raw.format)} in "
+        f"{raw.description} ({_positions(raw.description, empty)}): an example without answer text has nothing to "
+        "featurize or train on; fill in or remove them to silence this warning.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _record_lines(description: str) -> list[int] | None:
+    """The 1-based line of every record when ``description`` names a JSON Lines file (blank lines hold none)."""
+    path = Path(description)
+    if path.suffix.lower() != ".jsonl":
+        return None
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError:
+        return None
+    return [number for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def _where(description: str, index: int) -> str:
     """``description``, with the 1-based line of example ``index`` when it names a JSON Lines file (for errors)."""
-    path = Path(description)
-    if path.suffix.lower() != ".jsonl":
+    lines = _record_lines(description)
+    if lines is None or not 0 <= index < len(lines):
         return description
-    try:
-        lines = path.read_bytes().split(b"\n")
-    except OSError:
-        return description
-    seen = -1
-    for number, line in enumerate(lines, 1):
-        seen += bool(line.strip())
-        if seen == index and line.strip():
-            return f"{description}, line {number}"
-    return description
+    return f"{description}, line {lines[index]}"
 
 
 def read_columns(source: Any, split: str | None = None) -> dict[str, list[Any]]:

@@ -29,20 +29,23 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-from cluster_kernels.distributed import shard_rows
-from clusterlm.data import fingerprint
+from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans, shard_rows
+from clusterlm.features import DEFAULT_BATCH_TOKENS, DEFAULT_SHARD_SIZE
 from clusterlm.launch import DistInfo, barrier, in_process_group, init_distributed, is_main
+from clusterlm.picking import l2_normalize
 from clusterlm.store import FeatureStore
 
 # DistInfo, barrier, init_distributed and is_main are clusterlm.launch's, re-exported for select scripts.
-__all__ = ["DistInfo", "ShardedFeatures", "barrier", "featurize_sharded", "init_distributed", "is_main"]
-
-DEFAULT_SHARD_SIZE = 1024
+__all__ = [
+    "DistInfo", "DistributedClustering", "ShardedFeatures", "barrier", "featurize_sharded", "init_distributed",
+    "is_main",
+]
 
 
 @dataclass
@@ -97,7 +100,7 @@ def featurize_sharded(
     *,
     rank: int,
     world_size: int,
-    batch_tokens: int = 8192,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
     progress: bool = True,
     shard_size: int | None = None,
 ) -> ShardedFeatures:
@@ -135,39 +138,19 @@ def featurize_sharded(
     store = _open_store(store_dir, shard_size)
     n = len(dataset)
     size = store.shard_size
-    n_shards = math.ceil(n / size)
-    first, last = shard_rows(n_shards, world_size, rank)
+    first, last = shard_rows(math.ceil(n / size), world_size, rank)
     shards = range(first, last)
     start, stop = first * size, min(n, last * size)
-    store.begin(dim=featurizer.feature_dim, config=featurizer.config())  # records what is already done
+    show = progress and rank == 0
+    with _progress_bar(n, f"featurize ({world_size} ranks)", show) as bar:
+        bar.update(store.rows_done())
 
-    from tqdm.auto import tqdm
+        def on_shard(_: int) -> None:
+            if show:
+                bar.update(store.reload().rows_done() - bar.n)
 
-    bar = tqdm(total=n, unit="ex", desc=f"featurize ({world_size} ranks)", disable=not (progress and rank == 0),
-               dynamic_ncols=True)
-    computed: list[int] = []
-    try:
-        bar.update(_rows_done(store))
-        for w in shards:
-            a, b = w * size, min(n, (w + 1) * size)
-            examples = [dataset[i] for i in range(a, b)]
-            digest = fingerprint(examples)["sha256"]
-            record = store.shard_record(w)
-            if record is not None:
-                if record["data_sha256"] != digest or record["rows"] != b - a:
-                    raise ValueError(
-                        f"featurize_sharded: examples {a}..{b - 1} differ from those stored in shard {w} of "
-                        f"{store.path}; the data changed since that run. Use a new store directory."
-                    )
-                continue
-            feats = featurizer.featurize(examples, batch_tokens=batch_tokens, store=None, shard_size=size,
-                                         progress=False)
-            store.write_shard(w, np.asarray(feats, dtype=np.float32), data_sha256=digest)
-            computed.append(w)
-            if rank == 0 and progress:
-                bar.update(_rows_done(store.reload()) - bar.n)
-    finally:
-        bar.close()
+        computed = featurizer.featurize_shards(dataset, store, shards, batch_tokens=batch_tokens, progress=False,
+                                               on_shard=on_shard)
     part = ShardedFeatures(store, rank, world_size, shards, start, stop, n, computed)
     if in_process_group():
         barrier()
@@ -204,13 +187,42 @@ def _open_store(store_dir: str | os.PathLike | FeatureStore, shard_size: int | N
         return store_dir
     if shard_size is None:
         existing = FeatureStore(store_dir)
-        shard_size = existing._read_manifest()["shard_size"] if existing.exists else DEFAULT_SHARD_SIZE
+        shard_size = existing.stored_shard_size() if existing.exists else DEFAULT_SHARD_SIZE
     return FeatureStore(store_dir, shard_size=shard_size)
 
 
-def _rows_done(store: FeatureStore) -> int:
-    """Examples in shards the manifest lists (all ranks together)."""
-    if store.complete:
-        return store.n_examples or 0
-    return sum(int(r["rows"]) for r in store._read_manifest()["shards"].values())
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
 
+    return tqdm(total=total, unit="ex", desc=desc, disable=not enabled, dynamic_ncols=True)
+
+
+
+@dataclass
+class DistributedClustering:
+    """The capacity K-means of a sharded selection, as :func:`clusterlm.select.select_from_features` calls it.
+
+    Every rank holds its rows ``x_local`` (:meth:`ShardedFeatures.local`); the K-means runs distributed
+    (:func:`cluster_kernels.distributed.distributed_capacity_kmeans`, k-means++ on all ``n_total`` rows so the
+    result equals the single-process one) and every rank gets the labels and distances of all rows.
+
+    Attributes:
+        x_local: (rows of this rank, d) features.
+        n_total: examples over all ranks.
+        progress: a progress bar (rank 0).
+    """
+
+    x_local: np.ndarray
+    n_total: int
+    progress: bool = False
+
+    def __call__(self, n_clusters: int, *, min_cluster_size: int | None, max_cluster_size: int | None, n_init: int,
+                 max_iter: int, seed: int, normalize: bool) -> Any:
+        """Cluster all rows; ``labels`` / ``distances`` for every row, ``inertia``, ``n_iter``, ``converged``."""
+        x = l2_normalize(self.x_local) if normalize else self.x_local  # per row: the same as normalising globally
+        res = distributed_capacity_kmeans(x, n_clusters, min_size=min_cluster_size, max_size=max_cluster_size,
+                                          n_init=n_init, max_iter=max_iter, seed=seed, init_sample_size=self.n_total,
+                                          progress=self.progress)
+        return SimpleNamespace(labels=allgather_rows(np.asarray(res.labels, dtype=np.int64)),
+                               distances=allgather_rows(np.asarray(res.distances, dtype=np.float64)),
+                               inertia=res.inertia, n_iter=res.n_iter, converged=res.converged)

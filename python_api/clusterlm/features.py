@@ -52,7 +52,7 @@ import hashlib
 import math
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +66,28 @@ from cluster_kernels.projection import PROJECTION_KINDS, random_projection
 from clusterlm.data import fingerprint
 from clusterlm.store import FeatureStore
 
-__all__ = ["LAYER_PRESETS", "GradientFeaturizer"]
+__all__ = [
+    "DEFAULT_BATCH_TOKENS", "DEFAULT_DIM", "DEFAULT_FEATURE_TOKENS", "DEFAULT_SHARD_SIZE", "LAYER_PRESETS",
+    "GradientFeaturizer",
+]
 
 LAYER_PRESETS = ("paper", "lm_head", "all-linear", "lora")
-DEFAULT_DIM = (64, 64)
-DEFAULT_SHARD_SIZE = 1024
+# One default for every caller (select, the CLI, the featurizer used directly):
+DEFAULT_DIM = (32, 32)  # projected feature size k_o x k_i
+DEFAULT_FEATURE_TOKENS = 64  # the default preset's feature window (benchmarks/bench_compare.py measures it)
+DEFAULT_SHARD_SIZE = 1024  # examples per window / store shard (batches never cross one)
+DEFAULT_BATCH_TOKENS = 8192  # padded tokens per featurization forward
+
+
+def _renamed(old: str, old_value: Any, new: str, new_value: Any, default: Any) -> Any:
+    """``new_value``, or ``old_value`` given under the deprecated name ``old`` (warns; both given: refused)."""
+    if old_value is None:
+        return default if new_value is None else new_value
+    if new_value is not None:
+        raise TypeError(f"GradientFeaturizer: give {new}= only ({old}= is its former name), got both.")
+    warnings.warn(f"GradientFeaturizer: {old}= is now called {new}=; the old name goes in the next release.",
+                  DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 @functools.cache
@@ -251,12 +268,13 @@ class GradientFeaturizer:
     Args:
         model: a causal LM (``transformers`` ``*ForCausalLM`` or a PEFT model wrapping one) whose
             ``get_output_embeddings()`` is an ``nn.Linear`` computing ``logits = h W^T (+ b)``.
-        layers: ``"paper"`` (authors' proxy, dim = hidden size, forward only), ``"lm_head"`` (projected
+        features: ``"paper"`` (authors' proxy, dim = hidden size, forward only), ``"lm_head"`` (projected
             full last-layer gradient, forward only), ``"all-linear"`` (every ``nn.Linear``/GPT-2
             ``Conv1D`` including the lm head), ``"lora"`` (the LoRA A and B matrices of a PEFT model), or a
             list of module names (the lm head's name is allowed).
         dim: ``(k_o, k_i)``, or an int total ``k_o * k_i`` (factored as squarely as possible); default
-            ``(64, 64)``. Not allowed with ``"paper"`` (its dimension is the hidden size).
+            ``(32, 32)`` (:data:`DEFAULT_DIM`, the same as :func:`clusterlm.select`'s). Not allowed with
+            ``"paper"`` (its dimension is the hidden size).
         seed: seed of the random projections (keyed by ``(seed, layer name)``).
         dtype: optional autocast dtype for the model's forward/backward (e.g. ``torch.bfloat16``); None runs
             the model in its own dtype. Features are float32 either way.
@@ -264,8 +282,9 @@ class GradientFeaturizer:
         projection: ``"rademacher"`` or ``"gaussian"`` entries.
         backend: kernel backend passed to the ``cluster_kernels`` ops (``"auto"`` picks Triton on CUDA).
         max_chunk_elems: logits alive at once when computing the lm-head gradient (memory bound).
-        max_tokens: feature window: at most this many tokens per example (the answer's start with a
+        feature_tokens: feature window: at most this many tokens per example (the answer's start with a
             little prompt context; module docstring), or None for whole examples. Must be >= 2.
+        layers / max_tokens: the former names of ``features`` / ``feature_tokens`` (deprecated; warn).
 
     Tied embeddings: with an lm head tied to the input embedding, the feature is the gradient of the head's
     output use (``logits = h W^T``) only, not of the shared parameter (which adds input-embedding rows).
@@ -283,7 +302,7 @@ class GradientFeaturizer:
         self,
         model: nn.Module,
         *,
-        layers: str | Sequence[str] = "paper",
+        features: str | Sequence[str] | None = None,
         dim: int | tuple[int, int] | None = None,
         seed: int = 0,
         dtype: torch.dtype | None = None,
@@ -291,8 +310,13 @@ class GradientFeaturizer:
         projection: str = "rademacher",
         backend: str = "auto",
         max_chunk_elems: int = 1 << 22,
+        feature_tokens: int | None = None,
+        layers: str | Sequence[str] | None = None,
         max_tokens: int | None = None,
     ) -> None:
+        features = _renamed("layers", layers, "features", features, "paper")
+        feature_tokens = _renamed("max_tokens", max_tokens, "feature_tokens", feature_tokens, None)
+        layers, max_tokens = features, feature_tokens
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientFeaturizer: model must be a torch.nn.Module, got {type(model).__name__}.")
         if projection not in PROJECTION_KINDS:
@@ -302,7 +326,7 @@ class GradientFeaturizer:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 2):
             raise ValueError(
-                f"GradientFeaturizer: max_tokens must be None (whole examples) or an int >= 2 (the feature "
+                f"GradientFeaturizer: feature_tokens must be None (whole examples) or an int >= 2 (the feature "
                 f"window), got {max_tokens!r}."
             )
         self.model = model
@@ -737,7 +761,7 @@ class GradientFeaturizer:
         self,
         data: Iterable[Mapping[str, Any]],
         *,
-        batch_tokens: int = 8192,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
         store: FeatureStore | str | None = None,
         shard_size: int | None = None,
         progress: bool = True,
@@ -751,8 +775,8 @@ class GradientFeaturizer:
                 alone.
             store: a ``FeatureStore`` or a directory: features are written shard by shard and a rerun resumes
                 where a killed run stopped, producing identical features.
-            shard_size: examples per window/shard (default: the store's, else 1024). Batches never cross a
-                window, so results do not depend on whether a store is used.
+            shard_size: examples per window/shard (default: the store's, else :data:`DEFAULT_SHARD_SIZE`).
+                Batches never cross a window, so results do not depend on whether a store is used.
             progress: show a tqdm bar with examples/s and tokens/s.
 
         Returns:
@@ -763,23 +787,9 @@ class GradientFeaturizer:
             ValueError / TypeError: malformed examples (the message names the example's index), an example
                 without answer tokens, a store written by another configuration or other data.
         """
-        if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
-            raise ValueError(
-                f"GradientFeaturizer.featurize: batch_tokens must be a positive int, got {batch_tokens!r}."
-            )
-        if isinstance(store, (str, bytes)) or hasattr(store, "__fspath__"):
-            store = FeatureStore(store, shard_size=shard_size or DEFAULT_SHARD_SIZE)
-        if store is not None and not isinstance(store, FeatureStore):
-            raise TypeError(
-                f"GradientFeaturizer.featurize: store must be a FeatureStore, a path or None, got "
-                f"{type(store).__name__}."
-            )
+        _check_batch_tokens(batch_tokens)
+        store = _as_store(store, shard_size)
         window = store.shard_size if store is not None else (shard_size or DEFAULT_SHARD_SIZE)
-        if store is not None and shard_size is not None and shard_size != store.shard_size:
-            raise ValueError(
-                f"GradientFeaturizer.featurize: shard_size={shard_size} differs from the store's "
-                f"shard_size={store.shard_size}."
-            )
         total = _known_length(data)
         if isinstance(data, Sequence) or (total is not None and not isinstance(data, torch.utils.data.DataLoader)):
             # Sized, re-iterable data: check every example before anything is computed or written.
@@ -787,39 +797,112 @@ class GradientFeaturizer:
                 self._check_example(ex, i)
         if store is not None:
             store.begin(dim=self.feature_dim, config=self.config())  # completed shards are skipped below
+        windows = ((w, w * window, examples) for w, examples in enumerate(_windows(_iter_examples(data), window)))
         results: list[np.ndarray] = []
-        bar = _progress_bar(total, progress)
-        n_seen, n_computed, n_tokens, t0 = 0, 0, 0, time.perf_counter()
-        try:
-            with self._extraction_state():
-                for w_index, window_examples in enumerate(_windows(_iter_examples(data), window)):
-                    start = w_index * window
-                    checked = [self._check_example(ex, start + i) for i, ex in enumerate(window_examples)]
-                    data_hash = _data_sha256(checked)
-                    if store is not None and _already_stored(store, w_index, start, checked, data_hash):
-                        n_seen += len(checked)
-                        bar.update(len(checked))
-                        continue
-                    feats = np.zeros((len(checked), self.feature_dim), dtype=np.float32)
-                    for idx in _token_batches([len(ids) for ids, _ in checked], batch_tokens):
-                        feats[idx] = self._run_batch([checked[i] for i in idx]).float().cpu().numpy()
-                        n_tokens += int(sum(len(checked[i][0]) for i in idx))
-                        n_seen += len(idx)
-                        n_computed += len(idx)  # rates count only computed examples, not resumed ones
-                        bar.update(len(idx))
-                        elapsed = max(time.perf_counter() - t0, 1e-9)
-                        bar.set_postfix({"ex/s": f"{n_computed / elapsed:.1f}", "tok/s": f"{n_tokens / elapsed:.0f}"})
-                    if store is not None:
-                        store.write_shard(w_index, feats, data_sha256=data_hash)
-                    else:
-                        results.append(feats)
-        finally:
-            bar.close()
+        n_seen = 0
+        with _progress_bar(total, progress) as bar:
+            for _, n_rows, feats in self._shard_loop(windows, store, batch_tokens, bar):
+                n_seen += n_rows
+                if store is None:
+                    results.append(feats)
         if store is not None:
             return store.finalize(n_seen)
         if not results:
             return np.zeros((0, self.feature_dim), dtype=np.float32)
         return np.concatenate(results)
+
+    def featurize_shards(
+        self,
+        data: Any,
+        store: FeatureStore,
+        shards: range,
+        *,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        progress: bool = True,
+        on_shard: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """Featurize only the store shards ``shards`` of indexable ``data`` (one rank of a sharded run).
+
+        The same loop as :meth:`featurize` (same windows, batches, checks and shard records), so the features
+        are identical to a single-process run with the same store; the store is not finalized here
+        (:func:`clusterlm.distributed.featurize_sharded` does it once every rank is done).
+
+        Args:
+            data: indexable examples (``len`` and ``data[i]``).
+            store: the shared :class:`FeatureStore` (its ``shard_size`` sets the windows).
+            shards: the shard indices to compute; those already stored are checked against the data and skipped.
+            batch_tokens: padded tokens per forward.
+            progress: a bar over these shards' examples.
+            on_shard: called with each shard index once it is stored (e.g. to update a bar over all ranks).
+
+        Returns:
+            The shard indices this call computed (the others were stored already).
+
+        Raises:
+            ValueError / TypeError: as :meth:`featurize`.
+        """
+        _check_batch_tokens(batch_tokens)
+        n, size = len(data), store.shard_size
+        store.begin(dim=self.feature_dim, config=self.config())
+        windows = ((w, w * size, [data[i] for i in range(w * size, min(n, (w + 1) * size))]) for w in shards)
+        rows = sum(max(0, min(n, (w + 1) * size) - w * size) for w in shards)
+        computed: list[int] = []
+        with _progress_bar(rows, progress) as bar:
+            for w, _, feats in self._shard_loop(windows, store, batch_tokens, bar):
+                if feats is not None:
+                    computed.append(w)
+                if on_shard is not None:
+                    on_shard(w)
+        return computed
+
+    def _shard_loop(
+        self, windows: Iterable[tuple[int, int, list[Mapping[str, Any]]]], store: FeatureStore | None,
+        batch_tokens: int, bar: Any,
+    ) -> Iterator[tuple[int, int, np.ndarray | None]]:
+        """The one shard loop: for each ``(index, first row, examples)`` window, check the examples, skip a shard
+        the store holds for exactly them, else compute it in token-bounded batches and store it. Yields
+        ``(index, rows, features or None when it was stored already)``."""
+        n_computed, n_tokens, t0 = 0, 0, time.perf_counter()
+        with self._extraction_state():
+            for w_index, start, window_examples in windows:
+                checked = [self._check_example(ex, start + i) for i, ex in enumerate(window_examples)]
+                data_hash = _data_sha256(checked)
+                if store is not None and _already_stored(store, w_index, start, checked, data_hash):
+                    bar.update(len(checked))
+                    yield w_index, len(checked), None
+                    continue
+                feats = np.zeros((len(checked), self.feature_dim), dtype=np.float32)
+                for idx in _token_batches([len(ids) for ids, _ in checked], batch_tokens):
+                    feats[idx] = self._run_batch([checked[i] for i in idx]).float().cpu().numpy()
+                    n_tokens += int(sum(len(checked[i][0]) for i in idx))
+                    n_computed += len(idx)  # rates count only computed examples, not resumed ones
+                    bar.update(len(idx))
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix({"ex/s": f"{n_computed / elapsed:.1f}", "tok/s": f"{n_tokens / elapsed:.0f}"})
+                if store is not None:
+                    store.write_shard(w_index, feats, data_sha256=data_hash)
+                yield w_index, len(checked), feats
+
+
+def _check_batch_tokens(batch_tokens: Any) -> None:
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ValueError(f"GradientFeaturizer.featurize: batch_tokens must be a positive int, got {batch_tokens!r}.")
+
+
+def _as_store(store: Any, shard_size: int | None) -> FeatureStore | None:
+    """``store`` as a :class:`FeatureStore` (a path opens one), checked against ``shard_size``."""
+    if isinstance(store, (str, bytes)) or hasattr(store, "__fspath__"):
+        store = FeatureStore(store, shard_size=shard_size or DEFAULT_SHARD_SIZE)
+    if store is not None and not isinstance(store, FeatureStore):
+        raise TypeError(
+            f"GradientFeaturizer.featurize: store must be a FeatureStore, a path or None, got {type(store).__name__}."
+        )
+    if store is not None and shard_size is not None and shard_size != store.shard_size:
+        raise ValueError(
+            f"GradientFeaturizer.featurize: shard_size={shard_size} differs from the store's "
+            f"shard_size={store.shard_size}."
+        )
+    return store
 
 
 def _already_stored(

@@ -34,6 +34,7 @@ without a group.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import logging
@@ -54,8 +55,8 @@ import torch
 from clusterlm._io import atomic_write_text
 
 __all__ = [
-    "AGENT_PID_ENV", "LAUNCHER_PID_ENV", "SELECT_MODULE", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo",
-    "all_gather_floats", "all_gather_objects", "barrier", "exit_with_supervisor", "first_failure",
+    "AGENT_PID_ENV", "LAUNCHER_PID_ENV", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo",
+    "all_gather_floats", "all_gather_objects", "argv_of", "barrier", "exit_with_supervisor", "first_failure",
     "in_process_group", "init_distributed", "is_main", "pid_alive", "report_failure", "reported_by_launcher",
     "run_agent", "spawn", "stamp_failure", "strip_options", "torchrun_command", "under_torchrun",
 ]
@@ -64,7 +65,6 @@ __all__ = [
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # The -m entry points of the two multi-process commands.
 TRAIN_MODULE = "clusterlm.train"
-SELECT_MODULE = "clusterlm.select"
 # Set by spawn for what it starts: the pid of the launching process; and by the agent: its own pid.
 LAUNCHER_PID_ENV = "CLUSTERLM_LAUNCHER_PID"
 AGENT_PID_ENV = "CLUSTERLM_AGENT_PID"
@@ -100,7 +100,7 @@ def torchrun_command(
     Args:
         argv: the module's arguments.
         nproc: processes on this node.
-        module: the ``-m`` module every rank runs (``clusterlm.train``, ``clusterlm.select``).
+        module: the ``-m`` module every rank runs (``clusterlm.train``, ``clusterlm`` with ``select``).
         nnodes: nodes; > 1 needs ``rdzv_endpoint`` (c10d rendezvous), 1 runs ``--standalone``.
         rdzv_endpoint: ``host:port`` of the rendezvous.
         rdzv_id: run id shared by the nodes.
@@ -120,6 +120,26 @@ def torchrun_command(
     else:
         cmd.append("--standalone")
     return [*cmd, "-m", module, *argv]
+
+
+def argv_of(parser: argparse.ArgumentParser, args: argparse.Namespace, *, skip: Sequence[str] = ()) -> list[str]:
+    """The command line that ``parser`` parses back into ``args``: every option whose value is not the default
+    (options whose ``dest`` is in ``skip`` left out, e.g. the launcher's own when starting the ranks)."""
+    argv: list[str] = []
+    for action in parser._actions:  # argparse has no public list of a parser's options
+        if not action.option_strings or action.dest == "help" or action.dest in skip:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        opt = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(opt)
+        elif action.nargs == "?" and value == action.const:
+            argv.append(opt)
+        else:
+            argv += [opt, str(value)]
+    return argv
 
 
 def strip_options(argv: Sequence[str], options: Sequence[str]) -> list[str]:
@@ -155,7 +175,7 @@ def spawn(
     warning; the ranks set torch's thread count themselves).
 
     Args:
-        module: e.g. ``clusterlm.train``, ``clusterlm.select``.
+        module: e.g. ``clusterlm.train``, or ``clusterlm`` (the package entry) with ``select`` first in argv.
         argv: the module's arguments.
         nproc / nnodes / rdzv_endpoint / rdzv_id: see :func:`torchrun_command`.
         env: extra environment variables for the processes.

@@ -42,10 +42,12 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +60,11 @@ from clusterlm.plan import same_model
 from clusterlm.pretrain import build as build_pretrained_tiny_llama
 from clusterlm.pretrain import tiny_llama_config
 
-__all__ = ["BUILTIN_MODELS", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "causal_lm_problem", "check_model_id",
-           "compute_model_id", "convert_gguf", "find_gguf", "hf_hub_cache", "load_model", "model_hash", "model_label",
-           "tiny_llama_config"]
+__all__ = [
+    "BUILTIN_MODELS", "DEVICES", "DTYPES", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "causal_lm_problem",
+    "check_model_id", "compute_model_id", "convert_gguf", "find_gguf", "hf_hub_cache", "load_model", "model_hash",
+    "model_label", "resolve_device", "resolve_dtype", "tiny_llama_config",
+]
 
 _INFO = "clusterlm_model.json"  # written last into a built-in's directory: its presence means complete
 _SEED = 0
@@ -593,8 +597,79 @@ def causal_lm_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
+# The weights files transformers loads, in its order of preference: one file, or the shards an index names.
+_WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+_UNREADABLE = ("it is damaged or was cut short (e.g. an interrupted download or copy): download the model again, or "
+               "save it again with model.save_pretrained(dir)")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weights files of directory ``path`` that ``from_pretrained`` would read (empty: other names)."""
+    for single, index in _WEIGHT_FILES:
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            try:
+                weight_map = json.loads((path / index).read_text(encoding="utf-8"))["weight_map"]
+                return [path / name for name in sorted(set(weight_map.values()))]
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"load_model: the weights index {str(path / index)!r} is unreadable "
+                                 f"({_one_line(err) or type(err).__name__}); {_UNREADABLE}.") from None
+    return []
+
+
+def _safetensors_problem(file: Path, size: int) -> str | None:
+    """Why a safetensors file cannot be read (its header, or data past its end); None when it looks whole."""
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header claims {n} bytes, more than the file's {size}"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError):
+            return "its header is not JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    if not all(isinstance(e, int) for e in ends):
+        return "its header holds offsets that are not integers"
+    if ends and 8 + n + max(ends) > size:
+        return f"it is cut short: {size} bytes, its header describes {8 + n + max(ends)}"
+    return None
+
+
+def _weights_problem(file: Path) -> str | None:
+    """Why a weights file cannot be read, from its header and length only (no tensor is read); None: it looks
+    whole (safetensors: header and data length; ``.bin``: a zip archive as torch.save writes, or a pickle)."""
+    try:
+        size = file.stat().st_size
+        if file.name.endswith(".safetensors"):
+            return _safetensors_problem(file, size)
+        if zipfile.is_zipfile(file):
+            return None
+        with file.open("rb") as f:
+            return None if f.read(1) == b"\x80" else "neither a zip archive (torch.save) nor a pickle"
+    except FileNotFoundError:
+        return "it is missing (its index names it)"
+    except OSError as err:
+        return err.strerror or _one_line(err)
+
+
+def _check_weights(path: Path) -> None:
+    """Refuse, naming the file, weights that cannot be read (a corrupt or cut-short download)."""
+    for file in _weight_files(path):
+        problem = _weights_problem(file)
+        if problem is not None:
+            raise ValueError(f"load_model: the weights file {str(file)!r} is unreadable ({problem}); {_UNREADABLE}.")
+
+
 def _check_directory(path: Path) -> dict[str, Any]:
-    """Before any weights load: a causal-LM config, weights files and a tokenizer with a vocabulary."""
+    """Before any weights load: a causal-LM config, readable weights files and a tokenizer with a vocabulary."""
     config = _read_config(path)
     problem = causal_lm_problem(config)
     if problem is not None:
@@ -604,6 +679,7 @@ def _check_directory(path: Path) -> dict[str, Any]:
             f"load_model: {str(path)!r} has a config.json but no weights (model.safetensors or pytorch_model.bin); "
             "save them there with model.save_pretrained(dir)."
         )
+    _check_weights(path)
     if not any((path / f).is_file() for f in _VOCAB_FILES) and not any(next(path.glob(g), None) for g in _VOCAB_GLOBS):
         raise ValueError(
             f"load_model: {str(path)!r} has no tokenizer files ({', '.join(_VOCAB_FILES[:4])}, ...), so its text "
@@ -640,6 +716,7 @@ def _check_vocab(tokenizer: Any, rows: int | None, path: Path) -> None:
 
 def _load_checked(path: Path, kwargs: dict[str, Any], quiet: bool) -> tuple[Any, Any]:
     """Model and tokenizer of directory ``path``, checked before the weights load and after."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = _check_directory(path)
@@ -651,6 +728,10 @@ def _load_checked(path: Path, kwargs: dict[str, Any], quiet: bool) -> tuple[Any,
     except OSError as err:
         raise ValueError(f"load_model: could not load a causal LM and tokenizer from {str(path)!r}: {_one_line(err)}"
                          ) from err
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as err:  # damage the header checks cannot see
+        names = ", ".join(f.name for f in _weight_files(path)) or "its weights files"
+        raise ValueError(f"load_model: the weights of {str(path)!r} ({names}) are unreadable "
+                         f"({_one_line(err) or type(err).__name__}); {_UNREADABLE}.") from err
     except ValueError as err:
         if str(err).startswith("load_model:"):
             raise
@@ -662,7 +743,8 @@ def _load_checked(path: Path, kwargs: dict[str, Any], quiet: bool) -> tuple[Any,
 
 
 def load_model(
-    spec: str | os.PathLike[str], *, dtype: Any = None, root: str | os.PathLike[str] | None = None
+    spec: str | os.PathLike[str], *, dtype: Any = None, root: str | os.PathLike[str] | None = None,
+    device: Any = None,
 ) -> tuple[Any, Any, str]:
     """Load a causal LM and its tokenizer by built-in name or local directory.
 
@@ -671,27 +753,34 @@ def load_model(
             (``"smollm2-135m-instruct"``), a ``.gguf`` file, a local Hugging Face model directory
             (``config.json``, weights, tokenizer files), or a hub id (``"org/name"``) already in the local
             Hugging Face cache (:func:`hf_hub_cache`; never downloaded).
-        dtype: parameter dtype (``torch.float32``, ``torch.bfloat16`` or its name); None keeps the saved dtype.
+        dtype: parameter dtype (``torch.float32``, ``torch.bfloat16`` or its name), ``"auto"`` (bfloat16 on a CUDA
+            device that supports it, else float32: :func:`resolve_dtype`); None keeps the saved dtype.
+        device: where the weights load, straight from the files in ``dtype`` (no float32 host copy):
+            ``"cpu"``, ``"cuda"`` / ``"cuda:N"``, a ``torch.device``, or ``"auto"`` (CUDA when present: this
+            process's ``LOCAL_RANK`` under torchrun; :func:`resolve_device`); None: the CPU.
         root: demo directory for the tiny built-ins (default :func:`clusterlm.demo.default_root`); GGUF files
             are converted into ``$CLUSTERLM_HOME/gguf`` (:func:`convert_gguf`).
 
     Returns:
-        ``(model, tokenizer, model_id)``: the model in eval mode on CPU, the tokenizer (pad token set to
+        ``(model, tokenizer, model_id)``: the model in eval mode on ``device``, the tokenizer (pad token set to
         eos when it had none), and :func:`compute_model_id` of the model (see the module docstring).
 
     Raises:
         ValueError: ``spec`` is neither a built-in name, a directory with ``config.json`` nor a cached hub
             model (one line: the built-in names and the command that fetches a hub model); the directory is no
-            causal LM (:func:`causal_lm_problem`: checked on its config before any weights load), has no weights
-            or no tokenizer files, or a tokenizer whose ids do not fit the embedding; or it cannot be loaded.
+            causal LM (:func:`causal_lm_problem`: checked on its config before any weights load), has no weights,
+            weights files that are unreadable (a damaged header or a cut-short file, named), no tokenizer files,
+            or a tokenizer whose ids do not fit the embedding; or it cannot be loaded.
             Every message is one line naming the fix.
         TypeError: ``spec`` is not a string/path, or a bad ``dtype``.
+        ValueError: ``device`` names CUDA and no CUDA device is visible.
     """
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(
             f"load_model: spec must be a built-in model name or a directory path, got {type(spec).__name__}."
         )
-    torch_dtype = _as_dtype(dtype)
+    target = torch.device("cpu") if device is None else resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, target) if dtype == "auto" else _as_dtype(dtype)
     name = os.fspath(spec)
     # Directories we built (built-ins, converted GGUF files) load without progress bars.
     built = name in BUILTIN_MODELS or name in GGUF_MODELS or name.lower().endswith(".gguf")
@@ -709,6 +798,8 @@ def load_model(
     kwargs: dict[str, Any] = {"local_files_only": True}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
+    if target.type != "cpu":
+        kwargs["device_map"] = {"": target}  # tensors go from the files to the device, no host copy of the model
     model, tokenizer = _load_checked(path, kwargs, built)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -716,3 +807,48 @@ def load_model(
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()
     return model, tokenizer, compute_model_id(model)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The device ``device`` names: ``"auto"`` is CUDA when present (``cuda:LOCAL_RANK`` under torchrun), else CPU.
+
+    Raises:
+        ValueError: not a device name, or CUDA was asked for and no CUDA device is visible (one line naming the fix).
+    """
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device must be one of {', '.join(DEVICES)}, 'cuda:N' or a torch.device, got {device!r}."
+        ) from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: no CUDA device is visible to this process (torch {torch.__version__}, built with "
+            f"CUDA {torch.version.cuda or 'none'}); run on a GPU machine, or use --device cpu (or auto)."
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible; pick one of "
+                           f"cuda:0..cuda:{torch.cuda.device_count() - 1}.")
+    return dev
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype | None:
+    """The weights' dtype: ``"auto"`` is bfloat16 on a CUDA device that supports it, else float32; a name or
+    ``torch.dtype`` as given; None keeps the checkpoint's.
+
+    Raises:
+        TypeError: not a dtype or its name.
+    """
+    if dtype != "auto":
+        return _as_dtype(dtype)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WITHIN_CLUSTER", "kcenter", "l2_normalise", "pick_in_cluster"]
+__all__ = ["WITHIN_CLUSTER", "kcenter", "l2_normalize", "pick_in_cluster"]
 
 WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
 
@@ -68,7 +68,7 @@ def pick_in_cluster(
     return members[kcenter(np.asarray(features)[members], d, m)]
 
 
-def l2_normalise(x: np.ndarray) -> np.ndarray:
+def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Rows scaled to unit L2 norm (zero rows stay zero), float32 (N, d); norms computed in float64."""
     x = np.asarray(x, dtype=np.float32)
     norms = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)

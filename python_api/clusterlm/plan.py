@@ -1,4 +1,4 @@
-"""Plan: which examples every rank trains on, in which order, with which weights — and its file format.
+"""Plan: which examples every rank trains on, in which order, with which weights.
 
 A plan is what selection produces and what any trainer consumes. It holds, for a data set of N examples
 and a world of K ranks, K equally long index lists (rank ``r`` visits ``rank_indices[r]`` in that order),
@@ -8,144 +8,37 @@ the data set it was made for, so a trainer can refuse a plan made for other data
 
 Weights. For example ``i`` of cluster ``c``: ``w_i = (n_c / N) * (S / s_c)`` with ``n_c`` the size of
 cluster ``c``, ``S`` the number of selected examples and ``s_c`` the number selected from ``c``
-(:func:`selection_weights`). With one cluster per rank this is the method's rank weight ``K n_k / N``;
-in general the weights have mean 1 over the selection, and ``mean_i(w_i * grad_i)`` over the selection
-is an unbiased-by-cluster estimate of the full-data mean gradient ``sum_c (n_c / N) * g_c``.
+(:func:`clusterlm.allocation.selection_weights`). With one cluster per rank this is the method's rank weight
+``K n_k / N``; in general the weights have mean 1 over the selection, and ``mean_i(w_i * grad_i)`` over the
+selection is an unbiased-by-cluster estimate of the full-data mean gradient ``sum_c (n_c / N) * g_c``. The
+plan checks that invariant (:meth:`Plan.validate`) with all the others.
 
-Files (``Plan.save(dir)``)::
-
-    plan.json   format, version, model id, world size, data fingerprint, selection config, timings,
-                stats, cluster sizes, a per-cluster and per-rank summary of weights and tokens,
-                ``arrays``: the file name and sha256 of plan.npz and the sha256 of each of its arrays
-                (``arrays.checksums``), and ``checksums``: the sha256 of every other field's content
-    plan.npz    rank_indices (K, m) int64, weights (N,) float64, cluster_labels (N,) int64,
-                distances (N,) float64, lengths (N,) int64, cluster_sizes (C,) int64
-
-Both are written to temporary files and renamed into place (npz first); nothing is pickled and the
-arrays are read back with ``allow_pickle=False``.
-
-Which file holds what: the arrays (rank lists, weights, labels, distances, lengths, cluster sizes) are
-plan.npz's; world size, model id, fingerprint, config, timings and stats are plan.json's. plan.json's
-``n_examples``, ``n_selected``, ``per_rank``, ``cluster_sizes``, ``clusters`` and ``ranks`` only summarise
-the arrays, and :meth:`Plan.load` checks them against plan.npz, so an edited weight, label or count in
-plan.json is refused (naming the field), not ignored. Each field's checksum (of its content, so
-re-indenting or reordering plan.json is a supported edit) refuses any other edit; to change a plan, load
-it, change it and save it. A plan.npz of another save, a truncated or foreign file and a field of the
-wrong type are refused in one ``ValueError`` naming the file and the field. Plans of the previous version
-(no checksums) still load, with a warning; their summaries are still checked against plan.npz.
+Files: ``Plan.save(dir)`` writes ``plan.json`` and ``plan.npz``, checksummed, and ``Plan.load(dir)`` reads
+them back and refuses a hand-edited, truncated or mixed-up pair naming the file and the field; the format
+and its checks are :mod:`clusterlm.planfile`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import math
 import os
 import re
 import warnings
-import zipfile
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from clusterlm._io import atomic_write_bytes
 from clusterlm.data import fingerprint
+from clusterlm.planfile import PLAN_VERSION, READABLE_VERSIONS, read_plan_files, write_plan_files
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "same_model", "selection_weights"]
+__all__ = ["Plan", "same_model"]
 
-PLAN_FORMAT = "clusterlm.plan"
-PLAN_VERSION = 1
-_JSON = "plan.json"
-_NPZ = "plan.npz"
-_ARRAYS = ("rank_indices", "weights", "cluster_labels", "distances", "lengths", "cluster_sizes")
 # Mean weight over the selection must be 1; float64 sums of up to millions of weights stay far inside this.
 _MEAN_RTOL = 1e-9
-# plan.json fields that summarise plan.npz (checked against it on load); "arrays" and "checksums" carry checksums.
-_DERIVED = ("n_examples", "n_selected", "per_rank", "cluster_sizes", "clusters", "ranks")
-_NOT_SUMMED = ("arrays", "checksums")
-_BROKEN = "truncated or not a clusterlm plan file"
-_EDIT_FIX = (
-    "plan.json is not meant to be edited by hand (re-indenting or reordering it is fine): load the plan with "
-    "clusterlm.plan.Plan.load, change it and save it with Plan.save (which records new checksums), or make it "
-    "again (clusterlm select)."
-)
 _MODEL_HASH = re.compile(r"[0-9a-f]{12}")
-_MISSING = object()
-
-
-def selection_weights(
-    labels: np.ndarray | Sequence[int], selected: np.ndarray | Sequence[int], n_clusters: int
-) -> np.ndarray:
-    """Per-example weights ``w_i = (n_c / N') * (S / s_c)`` of a selection drawn from clusters.
-
-    ``n_c`` is the size of cluster ``c``, ``s_c`` the number of examples selected from it, ``S = sum s_c``.
-    ``N'`` is the total size of the clusters that have at least one selected example; it equals ``N``
-    whenever every cluster is represented (the method's case). A cluster with nothing selected cannot be
-    represented, so it gets no weight and the others are renormalised over ``N'``, which keeps the mean
-    weight over the selection exactly 1 (the plan invariant).
-
-    Args:
-        labels: (N,) integer cluster of every example, each in ``[0, n_clusters)``. For a selection
-            without clustering pass zeros and ``n_clusters=1`` (every selected weight is then 1).
-        selected: a boolean mask of shape (N,) or the integer indices of the selected examples (unique).
-        n_clusters: number of clusters C (clusters may be empty).
-
-    Returns:
-        (N,) float64: the weight of every selected example, 0 elsewhere; mean over the selection is 1.
-
-    Raises:
-        ValueError: labels out of range or not 1-D, a mask of the wrong length, indices out of range
-            or repeated, an empty selection.
-    """
-    if isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) or n_clusters < 1:
-        raise ValueError(f"selection_weights: n_clusters must be a positive int, got {n_clusters!r}.")
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer) or labels.size == 0):
-        raise ValueError(
-            f"selection_weights: labels must be a 1-D integer array, got shape {labels.shape} dtype {labels.dtype}."
-        )
-    labels = labels.astype(np.int64)
-    n = len(labels)
-    if n and (labels.min() < 0 or labels.max() >= n_clusters):
-        raise ValueError(
-            f"selection_weights: labels must lie in [0, {n_clusters}), got values in [{labels.min()}, "
-            f"{labels.max()}]; for a selection without clustering pass zeros and n_clusters=1."
-        )
-    mask = _selection_mask(selected, n, "selection_weights: selected")
-    if not mask.any():
-        raise ValueError("selection_weights: the selection is empty; select at least one example.")
-    sizes = np.bincount(labels, minlength=n_clusters).astype(np.float64)
-    chosen = np.bincount(labels[mask], minlength=n_clusters).astype(np.float64)
-    represented = chosen > 0
-    total = float(chosen.sum())
-    per_cluster = np.zeros(n_clusters, dtype=np.float64)
-    per_cluster[represented] = (sizes[represented] / sizes[represented].sum()) * (total / chosen[represented])
-    weights = np.zeros(n, dtype=np.float64)
-    weights[mask] = per_cluster[labels[mask]]
-    return weights
-
-
-def _selection_mask(selected: Any, n: int, what: str) -> np.ndarray:
-    sel = np.asarray(selected)
-    if sel.dtype == np.bool_:
-        if sel.shape != (n,):
-            raise ValueError(f"{what}: a boolean mask must have shape ({n},), got {sel.shape}.")
-        return sel.copy()
-    if sel.ndim != 1 or not (np.issubdtype(sel.dtype, np.integer) or sel.size == 0):
-        raise ValueError(f"{what}: expected a boolean mask or 1-D integer indices, got shape {sel.shape} {sel.dtype}.")
-    sel = sel.astype(np.int64)
-    if sel.size and (sel.min() < 0 or sel.max() >= n):
-        raise ValueError(f"{what}: indices must lie in [0, {n}), got values in [{sel.min()}, {sel.max()}].")
-    mask = np.zeros(n, dtype=bool)
-    mask[sel] = True
-    if int(mask.sum()) != sel.size:
-        raise ValueError(f"{what}: indices must be unique, got {sel.size - int(mask.sum())} repeated.")
-    return mask
 
 
 def _jsonable(obj: Any, where: str) -> Any:
@@ -189,191 +82,6 @@ def _as_float64(value: Any, name: str) -> np.ndarray:
 
 
 
-# ---- plan files: checksums and the checks of Plan.load -------------------------------------------------
-
-
-def _digest(value: Any) -> str:
-    """sha256 of a JSON value's content (key order and layout do not count)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
-
-
-def _array_digest(arr: np.ndarray) -> str:
-    """sha256 of an array's dtype, shape and bytes."""
-    h = hashlib.sha256(f"{arr.dtype.str}{arr.shape}".encode())
-    h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()
-
-
-def _field_error(where: Path, name: str, problem: str) -> ValueError:
-    return ValueError(f"Plan.load: {where}: field {name!r} {problem}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_meta(json_path: Path) -> dict[str, Any]:
-    """plan.json parsed, checked to be a plan of this format version."""
-    try:
-        meta = json.loads(json_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"Plan.load: {json_path} is not valid JSON ({e}): {_BROKEN}. Save the plan again, or pass the "
-            "directory Plan.save wrote."
-        ) from None
-    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
-        raise ValueError(f"Plan.load: {json_path} is not a clusterlm plan (format {PLAN_FORMAT!r} expected).")
-    version = meta.get("version")
-    if version != PLAN_VERSION:
-        raise ValueError(
-            f"Plan.load: {json_path} has plan format version {version!r}; this clusterlm reads version "
-            f"{PLAN_VERSION}. Make the plan again with this clusterlm, or use the clusterlm that wrote it."
-        )
-    return meta
-
-
-def _check_fields(meta: dict[str, Any], where: Path) -> None:
-    """Every field Plan.load reads is there and of its type; the error names the field."""
-    if "world_size" not in meta:
-        raise _field_error(where, "world_size", "is missing: it must be the number of ranks the plan is for.")
-    if not _is_int(meta["world_size"]) or meta["world_size"] < 1:
-        got = meta["world_size"]
-        raise _field_error(where, "world_size", f"must be a positive int, the number of ranks; got {got!r}.")
-    fp = meta.get("fingerprint", _MISSING)
-    if fp is _MISSING:
-        raise _field_error(where, "fingerprint", "is missing: it must be the data fingerprint {'size', 'sha256'}.")
-    if not isinstance(fp, dict) or "size" not in fp or "sha256" not in fp:
-        raise _field_error(where, "fingerprint", f"must be {{'size': N, 'sha256': hex}}, got {fp!r}.")
-    if not _is_int(fp["size"]) or fp["size"] < 0:
-        raise _field_error(where, "fingerprint.size", f"must be an int >= 0, got {fp['size']!r}.")
-    if not isinstance(fp["sha256"], str):
-        raise _field_error(where, "fingerprint.sha256", f"must be a str, got {fp['sha256']!r}.")
-    if not isinstance(meta.get("model_id", ""), str):
-        raise _field_error(where, "model_id", f"must be a str, got {meta['model_id']!r}.")
-    for name in ("config", "timings", "stats", "arrays", "checksums"):
-        if meta.get(name) is not None and not isinstance(meta[name], dict):
-            raise _field_error(where, name, f"must be a dict, got {type(meta[name]).__name__}.")
-    arrays = meta.get("arrays") or {}
-    for key, kind in (("file", str), ("sha256", str), ("checksums", dict)):
-        if arrays.get(key) is not None and not isinstance(arrays[key], kind):
-            raise _field_error(where, f"arrays.{key}", f"must be a {kind.__name__}, got {arrays[key]!r}.")
-
-
-def _check_checksums(meta: dict[str, Any], where: Path) -> set[str] | None:
-    """Compare every field with its checksum; None for a plan without checksums (the previous version).
-
-    Returns:
-        The summary fields (``_DERIVED``) whose checksum differs: Plan.load names what differs in them once
-        plan.npz is read.
-
-    Raises:
-        ValueError: another field was changed, added or removed after the save (names it).
-    """
-    sums = meta.get("checksums")
-    if sums is None:
-        return None
-    changed: set[str] = set()
-    for name in sorted(set(sums) | {k for k in meta if k not in _NOT_SUMMED}):
-        if name not in meta:
-            raise _field_error(where, name, f"is missing: it was saved with the plan, then removed. {_EDIT_FIX}")
-        if name not in sums:
-            raise _field_error(
-                where, name, f"was added after the plan was saved (clusterlm would ignore it). {_EDIT_FIX}"
-            )
-        if _digest(meta[name]) != sums[name]:
-            if name in _DERIVED:
-                changed.add(name)
-                continue
-            raise _field_error(where, name, f"was changed after the plan was saved (its checksum differs). {_EDIT_FIX}")
-    return changed
-
-
-def _broken_npz(npz_path: Path, why: Any) -> ValueError:
-    return ValueError(f"Plan.load: {npz_path} is {_BROKEN} ({why}). Save the plan again (or copy plan.npz again).")
-
-
-def _parse_npz(npz_path: Path, raw: bytes) -> dict[str, np.ndarray]:
-    """The arrays of plan.npz (bytes ``raw``), without pickle.
-
-    Raises:
-        ValueError: truncated, empty or not an npz of a plan (one message naming the file), an array missing,
-            or an array of Python objects.
-    """
-    if not raw.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        raise _broken_npz(npz_path, "empty" if not raw else "not a zip archive of arrays")
-    try:
-        npz = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
-        raise _broken_npz(npz_path, e) from None
-    with npz:
-        missing = [k for k in _ARRAYS if k not in npz.files]
-        if missing:
-            raise ValueError(f"Plan.load: {npz_path} lacks the arrays {missing}. Save the plan again.")
-        data = {}
-        for k in _ARRAYS:
-            try:
-                data[k] = npz[k]
-            except ValueError as e:
-                if "pickle" in str(e):
-                    raise ValueError(
-                        f"Plan.load: {npz_path}: array {k!r} holds Python objects (pickle); plan arrays are plain "
-                        "numbers, read with allow_pickle=False. Save the plan again."
-                    ) from None
-                raise _broken_npz(npz_path, e) from None
-            except (zipfile.BadZipFile, EOFError, OSError, KeyError, zlib.error) as e:
-                raise _broken_npz(npz_path, e) from None
-    return data
-
-
-def _read_arrays(npz_path: Path, json_path: Path, record: dict[str, Any]) -> dict[str, np.ndarray]:
-    """plan.npz's arrays, checked against the checksums plan.json's ``arrays`` recorded (where it has them)."""
-    if not npz_path.is_file():
-        raise FileNotFoundError(f"Plan.load: {npz_path} is missing; plan.json alone is not a plan. Save it again.")
-    raw = npz_path.read_bytes()
-    whole = record.get("sha256")
-    data = _parse_npz(npz_path, raw)  # a truncated file is named as such, whatever its checksum
-    sums = record.get("checksums") or {}
-    differ = [k for k in _ARRAYS if k in sums and _array_digest(data[k]) != sums[k]]
-    if whole and hashlib.sha256(raw).hexdigest() != whole:
-        shown = f"; arrays {', '.join(map(repr, differ))} differ" if differ else ""
-        raise ValueError(
-            f"Plan.load: {npz_path} does not belong to {json_path} (sha256 differs{shown}): the directory holds parts "
-            "of two different saves. Save the plan again."
-        )
-    if differ:
-        raise ValueError(
-            f"Plan.load: {npz_path}: arrays {', '.join(map(repr, differ))} differ from those saved with {json_path} "
-            "(field 'arrays.checksums'): plan.npz comes from another save, or field 'arrays.sha256' was edited. "
-            "Save the plan again."
-        )
-    return data
-
-
-def _first_difference(found: Any, want: Any, name: str) -> tuple[str, Any, Any] | None:
-    """(field path, found, expected) of the first place two JSON values differ (floats to 1e-9), else None."""
-    if isinstance(want, dict):
-        if not isinstance(found, dict):
-            return name, found, want
-        for k in sorted(set(found) | set(want)):
-            if k not in found or k not in want:
-                return f"{name}.{k}", found.get(k), want.get(k)
-            diff = _first_difference(found[k], want[k], f"{name}.{k}")
-            if diff:
-                return diff
-        return None
-    if isinstance(want, list):
-        if not isinstance(found, list) or len(found) != len(want):
-            return name, found, want
-        for i, (a, b) in enumerate(zip(found, want, strict=True)):
-            diff = _first_difference(a, b, f"{name}[{i}]")
-            if diff:
-                return diff
-        return None
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (found, want))
-    if numbers and (isinstance(want, float) or isinstance(found, float)):
-        return None if math.isclose(found, want, rel_tol=1e-9, abs_tol=1e-12) else (name, found, want)
-    return None if found == want and type(found) is type(want) else (name, found, want)
-
 
 def same_model(a: str, b: str) -> bool:
     """Two model ids name the same model: their weights hashes agree (``label@hash``), else the ids are equal."""
@@ -400,7 +108,8 @@ class Plan:
         config: JSON-serialisable selection config.
         timings: stage -> seconds.
         stats: JSON-serialisable statistics.
-        version: file format version.
+        version: format version of the files it was read from (:data:`clusterlm.planfile.PLAN_VERSION` for a
+            new plan, and what :meth:`save` always writes).
 
     Raises:
         ValueError: (from :meth:`validate`, run on construction) any broken invariant.
@@ -456,9 +165,10 @@ class Plan:
 
     def _validate_shapes(self) -> int:
         """Version, world size, per-rank list shapes and counts, array shapes, fingerprint; returns N."""
-        if self.version != PLAN_VERSION:
+        if isinstance(self.version, bool) or self.version not in READABLE_VERSIONS:
             raise ValueError(
-                f"Plan.version: this clusterlm handles plan format version {PLAN_VERSION}, got {self.version!r}."
+                f"Plan.version: this clusterlm handles plan format versions {READABLE_VERSIONS} (it writes "
+                f"{PLAN_VERSION}), got {self.version!r}."
             )
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, (int, np.integer)) or ws < 1:
@@ -535,7 +245,7 @@ class Plan:
         if not math.isclose(mean, 1.0, rel_tol=_MEAN_RTOL, abs_tol=0.0):
             raise ValueError(
                 f"Plan.weights: the mean weight over the {selected.size} selected examples must be 1, got {mean!r}; "
-                "compute weights with clusterlm.plan.selection_weights."
+                "compute weights with clusterlm.allocation.selection_weights."
             )
 
     def _validate_clusters(self, n: int) -> None:
@@ -776,13 +486,8 @@ class Plan:
             "cluster_sizes": self.cluster_sizes,
         }
 
-    def _npz_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        np.savez(buf, **self._arrays())
-        return buf.getvalue()
-
     def _summary_fields(self) -> dict[str, Any]:
-        """plan.json's summaries of the arrays (``_DERIVED``), as JSON values."""
+        """plan.json's summaries of the arrays (:data:`clusterlm.planfile.SUMMARY_FIELDS`), as JSON values."""
         return {
             "n_examples": self.n_examples,
             "n_selected": self.n_selected,
@@ -795,7 +500,8 @@ class Plan:
         }
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write ``plan.json`` and ``plan.npz`` into ``directory`` (created if needed), atomically.
+        """Write ``plan.json`` and ``plan.npz`` into ``directory`` (created if needed), atomically and with
+        checksums (:func:`clusterlm.planfile.write_plan_files`; always the current format version).
 
         Args:
             directory: target directory; existing plan files there are replaced.
@@ -807,13 +513,8 @@ class Plan:
             ValueError: the plan breaks an invariant (see :meth:`validate`).
         """
         self.validate()
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        npz = self._npz_bytes()
         summary = self._summary_fields()
-        meta = {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
+        fields = {
             "model_id": self.model_id,
             "world_size": int(self.world_size),
             "n_examples": summary["n_examples"],
@@ -827,22 +528,14 @@ class Plan:
             "clusters": summary["clusters"],
             "ranks": summary["ranks"],
         }
-        meta = json.loads(json.dumps(meta))  # the checksums are over what a reader gets back
-        meta["arrays"] = {
-            "file": _NPZ,
-            "sha256": hashlib.sha256(npz).hexdigest(),
-            "checksums": {k: _array_digest(v) for k, v in self._arrays().items()},
-        }
-        meta["checksums"] = {k: _digest(v) for k, v in meta.items() if k not in _NOT_SUMMED}
-        text = json.dumps(meta, indent=2) + "\n"
-        # npz first: a crash between the two renames leaves an old json whose checksum refuses the new npz.
-        atomic_write_bytes(path / _NPZ, npz)
-        atomic_write_bytes(path / _JSON, text.encode("utf-8"))
-        return path
+        return write_plan_files(directory, fields, self._arrays())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         """Read a plan written by :meth:`save`, checking that its two files are the ones saved together.
+
+        Every check of the files (:func:`clusterlm.planfile.read_plan_files`) runs before any field is used; then
+        the plan's invariants (:meth:`validate`) and plan.json's summaries against the arrays.
 
         Args:
             path: the plan directory or its ``plan.json``.
@@ -851,47 +544,21 @@ class Plan:
             The validated plan.
 
         Raises:
-            FileNotFoundError: plan.json or plan.npz missing.
+            FileNotFoundError: plan.json or plan.npz missing, or ``path`` is plan.npz (pass its directory).
             ValueError: not a plan file or a truncated one, an unsupported format version, a field missing or
                 of the wrong type, a field edited after the save (its checksum differs, or a summary disagrees
                 with plan.npz), arrays that do not belong to this plan.json, or a plan that breaks an
                 invariant. Each message names the file and the field.
 
         Warns:
-            UserWarning: a plan of the previous version (no checksums): edits cannot always be detected.
+            UserWarning: a version-1 plan without checksums (edits cannot always be detected); arrays in plan.npz
+                that are not a plan's (named; they are ignored).
         """
-        path = Path(path)
-        directory = path.parent if path.suffix == ".json" and not path.is_dir() else path
-        json_path = path if directory is not path else directory / _JSON
-        if not json_path.is_file():
-            raise FileNotFoundError(
-                f"Plan.load: no plan at {json_path}; pass the directory written by Plan.save (it holds {_JSON} "
-                f"and {_NPZ})."
-            )
-        meta = _read_meta(json_path)
-        _check_fields(meta, json_path)
-        changed = _check_checksums(meta, json_path)
-        record = meta.get("arrays") or {}
-        if changed is None or not record.get("sha256"):
-            warnings.warn(
-                f"Plan.load: {json_path} has no checksums (saved by an older clusterlm), so an edit of it or a "
-                "plan.npz from another save cannot always be detected. Save the plan again (Plan.load, then "
-                "Plan.save) to add them.",
-                UserWarning,
-                stacklevel=2,
-            )
-        npz_path = directory / record.get("file", _NPZ)
-        data = _read_arrays(npz_path, json_path, record)
-        rank_indices = data["rank_indices"]
-        if rank_indices.ndim != 2 or rank_indices.shape[0] != meta["world_size"]:
-            raise ValueError(
-                f"Plan.load: {npz_path}: array 'rank_indices' has shape {rank_indices.shape}, but {json_path}: "
-                f"field 'world_size' is {meta['world_size']}: the files disagree (plan.json edited, or plan.npz "
-                "from another save). Save the plan again."
-            )
+        files = read_plan_files(path, stacklevel=2)
+        meta, data = files.meta, files.arrays
         plan = cls(
             world_size=int(meta["world_size"]),
-            rank_indices=list(rank_indices),
+            rank_indices=list(data["rank_indices"]),
             weights=data["weights"],
             cluster_labels=data["cluster_labels"],
             distances=data["distances"],
@@ -904,26 +571,8 @@ class Plan:
             stats=meta.get("stats") or {},
             version=meta["version"],
         )
-        plan._check_summaries(meta, json_path, npz_path, changed or set())
+        files.check_summaries(plan._summary_fields())
         return plan
-
-    def _check_summaries(self, meta: dict[str, Any], json_path: Path, npz_path: Path, changed: set[str]) -> None:
-        """plan.json's summaries (``_DERIVED``) must say what plan.npz's arrays give; names the first difference."""
-        want = self._summary_fields()
-        for name in _DERIVED:
-            if name not in meta:
-                continue  # a plan.json without it: nothing to disagree (fields the checksums miss were refused)
-            diff = _first_difference(meta[name], want[name], name)
-            if diff:
-                field_path, found, expected = diff
-                raise ValueError(
-                    f"Plan.load: {json_path}: field {field_path!r} is {found!r} but {npz_path} gives {expected!r}: "
-                    "the files disagree (the weights, labels and rank lists are plan.npz's; plan.json only "
-                    f"summarises them, and an edit there would be ignored). {_EDIT_FIX}"
-                )
-        for name in sorted(changed):
-            problem = "was changed after the plan was saved (its checksum differs)"
-            raise _field_error(json_path, name, f"{problem}. {_EDIT_FIX}")
 
     def _tokenisation_hint(self, dataset: Any) -> str | None:
         """Why the tokens differ, when the plan's recorded tokenisation is not this data's (else None)."""

@@ -2,19 +2,19 @@
 
 Layout of a store directory::
 
-    manifest.json        format, feature dim, shard size, the producing configuration, per-shard records
+    manifest.json        format and version, feature dim, shard size, the producing configuration, per-shard records
                          (file, rows, sha256 of the shard's input data, sha256 of its float32 rows),
                          n_examples and ``complete`` when done
     shard_00000.npy      float32 (shard_size, dim) for examples [0, shard_size), ... (while running)
-    shard_00000.claim    while a process computes shard 0: its claim (flock-ed; pid and host inside)
+    shard_00000.claim    while a process computes shard 0: its claim (locked; pid and host inside)
     features.npy         float32 (n_examples, dim), written when the run completes; read as np.memmap
 
-Crash safety: a shard is written to a temporary file, fsync'ed and renamed into place, and only then
-recorded in the manifest (itself replaced atomically). A run killed at any point leaves complete
-shards and a manifest that lists only complete shards; a restart skips them and recomputes the rest,
-so the result is identical to an uninterrupted run. The final ``features.npy`` is assembled shard by
-shard into a temporary file and renamed; shard files are removed only after the manifest says
-``complete``. Nothing half-written is ever listed.
+Crash safety: a shard is written to a temporary file, fsync'ed and renamed into place
+(:func:`clusterlm._io.atomic_write`), and only then recorded in the manifest (itself replaced atomically).
+A run killed at any point leaves complete shards and a manifest that lists only complete shards; a restart
+skips them and recomputes the rest, so the result is identical to an uninterrupted run. The final
+``features.npy`` is assembled shard by shard into a temporary file and renamed; shard files are removed only
+after the manifest says ``complete``. Nothing half-written is ever listed.
 
 Integrity: every shard record holds the sha256 of the shard's float32 rows (``sha256``), the same bytes
 ``features.npy`` holds at rows ``[index * shard_size, ...)``, so one checksum covers a row block in both
@@ -24,8 +24,13 @@ object; ``verify=False`` skips it). A block that fails (a bit flip, a truncated 
 dropped from the manifest with a message naming it, and the next run of the featurizer on the store
 recomputes just that block (blocks that fail in ``features.npy`` are re-listed as incomplete; their
 sound neighbours are kept and read back from ``features.npy``). ``begin`` drops truncated or missing
-shard files up front (a warning), so the same run recomputes them. Stores of the previous version (no
-``sha256`` in the records) still read, with a warning that their integrity cannot be checked.
+shard files up front (a warning), so the same run recomputes them.
+
+Versions: the manifest names its format and version (``"format": "clusterlm.features", "version": 2``;
+read by :func:`clusterlm._io.read_versioned_json`, like plan.json). Version 2 is checksummed: a record without
+its ``sha256`` fails its check like a bit flip (the block is dropped and recomputed). Stores of version 1
+(``"format": "clusterlm.features/1"``, records that may lack ``sha256``) still read, with a warning that
+their integrity cannot be checked; a resumed version-1 store stays version 1.
 
 Full disks: ``features.npy`` is preallocated (``os.posix_fallocate``, where the file system has it) and
 written with plain writes, never through a writable memory map, so a full disk is an ``OSError``
@@ -36,17 +41,19 @@ Reads: ``features()`` returns a read-only ``np.memmap`` (nothing loaded until in
 ``iter_blocks`` streams fixed-size row blocks, so N may exceed memory.
 
 Several writers: processes (ranks) may write disjoint shards of one store at the same time. Every
-manifest update re-reads the manifest under an exclusive ``flock`` on the store directory, so no
-writer's record is lost; a temporary file is locked by its writer until it is renamed into place, and
-the clean-up on ``begin`` removes only temporary files nobody holds (those of killed writers). A
+manifest update re-reads the manifest under an exclusive lock of the store directory (a blocking
+:class:`clusterlm._io.FileLock`), so no writer's record is lost; a temporary file is locked by its writer
+until it is renamed into place (:func:`clusterlm._io.atomic_write`), and the clean-up on ``begin`` removes
+only temporary files and claims nobody holds (those of killed writers; :func:`clusterlm._io.remove_stale`). A
 restarted writer therefore never disturbs one still running. ``reload()`` re-reads the manifest to see
 what the others have finished.
 
 Claims: so that two processes that fill the same shards (two ``select`` runs on one store) do every
-shard once, a shard is claimed while it is computed: ``shard_<index>.claim``, ``flock``-ed by its holder
-(the lock dies with the process, so a killed writer's claim is free at once). :meth:`FeatureStore.claim`
-takes a claim if nobody holds it (False: done, or a live process computes it); :meth:`wait_for_shards`
-waits for the shards others compute and returns those left to do. :meth:`FeatureStore.shard_record` --
+shard once, a shard is claimed while it is computed: ``shard_<index>.claim``, a
+:class:`clusterlm._io.FileLock` holding its holder's pid and host (the lock dies with the process, so a
+killed writer's claim is free at once). :meth:`FeatureStore.claim` takes a claim if nobody holds it (False:
+done, or a live process computes it); :meth:`wait_for_shards` waits for the shards others compute and
+returns those left to do. :meth:`FeatureStore.shard_record` --
 what the featurizers ask before computing a shard -- claims an unrecorded shard for its caller, and when
 a live process holds it, waits for that process's record instead of computing it a second time.
 ``write_shard`` releases the claim, and ``finalize`` runs once (the others wait and return its result).
@@ -57,6 +64,7 @@ succeed and one writer at a time is assumed.)
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import io
@@ -64,7 +72,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -73,121 +80,27 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm._io import StorageError, atomic_write_bytes, fsync_dir, storage_error
+from clusterlm._io import (
+    FileLock,
+    StorageError,
+    atomic_write,
+    atomic_write_bytes,
+    holder_record,
+    read_versioned_json,
+    remove_stale,
+)
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX
-    fcntl = None
+__all__ = ["STORE_FORMAT", "STORE_VERSION", "FeatureStore"]
 
-__all__ = ["FeatureStore"]
-
-FORMAT = "clusterlm.features/1"
+STORE_FORMAT = "clusterlm.features"
+STORE_VERSION = 2  # 2: every shard record carries the sha256 of its rows; 1: "clusterlm.features/1", optional
+_READABLE = (1, 2)
 _MANIFEST = "manifest.json"
 _FEATURES = "features.npy"
 _FINALIZE = "features"  # the claim of the process assembling features.npy
 _LOG = logging.getLogger(__name__)
 _NO_FALLOCATE = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 _BROKEN = "is truncated or not a clusterlm feature file"
-
-
-def _try_flock(fd: int, blocking: bool) -> bool:
-    """Exclusive flock on ``fd``; False when it is held elsewhere (non-blocking) or locking is unavailable."""
-    return bool(_flock(fd, blocking))
-
-
-def _flock(fd: int, blocking: bool) -> bool | None:
-    """Exclusive flock on ``fd``: True taken, False held elsewhere (non-blocking), None no locking here."""
-    if fcntl is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:  # pragma: no cover - a file system without flock: no locking
-        return None
-
-
-@contextlib.contextmanager
-def _dir_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock on the store directory for a manifest read-modify-write (released on close)."""
-    if fcntl is None:  # pragma: no cover - not POSIX: one writer at a time
-        yield
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _try_flock(fd, blocking=True)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _locked_tmp(directory: Path, name: str) -> tuple[int, str]:
-    """A new temporary file for ``name``, flock-ed by this process until its fd is closed.
-
-    Created under the directory lock, so a clean-up (which holds that lock) never sees it unlocked.
-    """
-    with _dir_lock(directory):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=name + ".", suffix=".tmp")
-        _try_flock(fd, blocking=False)
-    return fd, tmp
-
-
-# ---- claims: flock-ed files, one per shard ------------------------------------------------------------
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _acquire(path: Path, blocking: bool) -> int | None:
-    """An fd of ``path`` (created if needed) flock-ed by us, or None when a live process holds it.
-
-    A releaser unlinks the file before it unlocks, so a lock taken on an unlinked file is retried on the new
-    one. Where flock is unavailable the claim is always granted (one writer at a time assumed).
-    """
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        state = _flock(fd, blocking)
-        if state is False:
-            os.close(fd)
-            return None
-        if state is None or _same_file(fd, path):
-            with contextlib.suppress(OSError):  # who holds it, for the others' messages (best effort)
-                info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, info.encode(), 0)
-            return fd
-        os.close(fd)
-
-
-def _release(fd: int, path: Path) -> None:
-    if _same_file(fd, path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    os.close(fd)
-
-
-def _holder(path: Path) -> dict[str, Any] | None:
-    """The holder's record of a claim file held by a live process, else None (probes the lock)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        if _flock(fd, blocking=False) is not False:
-            return None
-        try:
-            return dict(json.loads(os.pread(fd, 4096, 0) or b"{}"))
-        except (ValueError, TypeError):
-            return {}
-    finally:
-        os.close(fd)
 
 
 # ---- npy files: header, layout, checksums, plain writes ----------------------------------------------
@@ -247,12 +160,9 @@ def _preallocate(fd: int, size: int) -> None:
             raise
 
 
-def _write_error(exc: BaseException, target: Path, need: int) -> BaseException:
-    """A full or failing disk as the one StorageError of ``clusterlm._io`` (what ran out, where, bytes needed),
-    saying that the stored shards are kept; another failure is returned as it is."""
-    err = storage_error(exc, target, needed=need)
-    if not isinstance(err, StorageError):
-        return err
+def _kept(err: StorageError, target: Path) -> StorageError:
+    """A full or failing disk while writing ``target`` (the StorageError of :func:`clusterlm._io.atomic_write`:
+    what ran out, where, bytes needed), saying that the stored shards are kept."""
     kept = "; the partial file was removed and the stored shards are kept, so a rerun finishes the store"
     return StorageError(err.errno, f"FeatureStore: {err.message}{kept}.", str(target))
 
@@ -275,7 +185,7 @@ class FeatureStore:
         self.path = Path(path)
         self.shard_size = shard_size
         self._manifest: dict[str, Any] | None = None
-        self._claims: dict[int | str, int] = {}  # claim -> flock-ed fd
+        self._claims: dict[int | str, FileLock] = {}  # claim -> its held lock
         self._implicit: int | None = None  # the shard shard_record claimed for its caller
         self._verified: tuple | None = None  # stat of the features.npy whose blocks were checked
         self._warned_unchecked = False
@@ -310,24 +220,41 @@ class FeatureStore:
         self._manifest = None
         return self
 
+    def manifest(self) -> dict[str, Any]:
+        """A copy of the manifest: format, version, dim, dtype, shard_size, config, shards (index -> record:
+        file, rows, data_sha256, sha256), n_examples and complete.
+
+        Read once and cached (:meth:`reload` forgets it, to see what other processes wrote).
+
+        Raises:
+            FileNotFoundError: nothing was written to this store yet.
+            ValueError: manifest.json is truncated, not a feature store's or of a version this clusterlm does not
+                read.
+        """
+        return copy.deepcopy(self._read_manifest())
+
     def _read_manifest(self) -> dict[str, Any]:
         if self._manifest is None:
             try:
-                manifest = json.loads(self.manifest_path.read_text())
+                manifest, _ = read_versioned_json(
+                    self.manifest_path, STORE_FORMAT, _READABLE, who="FeatureStore", what="clusterlm feature store",
+                    fix="Delete the directory to start over.",
+                    version_fix="use the clusterlm that wrote it, or delete the directory to start over",
+                )
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"FeatureStore: no manifest at {self.manifest_path}; nothing was written to this store yet."
                 ) from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(
-                    f"FeatureStore: {self.manifest_path} is not valid JSON ({exc}): truncated or not a clusterlm "
-                    "feature store; delete the directory to start over."
-                ) from None
-            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-                found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-                raise ValueError(f"FeatureStore: {self.manifest_path} has format {found!r}, expected {FORMAT!r}.")
             self._manifest = manifest
         return self._manifest
+
+    def _checksummed(self) -> bool:
+        """Version 2 or later: every shard record must carry its sha256."""
+        return self._read_manifest().get("version", 1) >= 2
+
+    def _locked(self) -> FileLock:
+        """The lock of the store directory, for a manifest read-modify-write (``with self._locked():`` waits)."""
+        return FileLock(self.path, directory=True)
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -355,6 +282,18 @@ class FeatureStore:
         n = self._read_manifest().get("n_examples")
         return None if n is None else int(n)
 
+    def rows_done(self) -> int:
+        """Examples in the shards the manifest lists (every writer's together; all of them once complete)."""
+        if not self.exists:
+            return 0
+        if self.complete:
+            return self.n_examples or 0
+        return sum(int(r["rows"]) for r in self._shards().values())
+
+    def stored_shard_size(self) -> int:
+        """The shard size this store was created with (read from its manifest)."""
+        return int(self._read_manifest()["shard_size"])
+
     # ---- writing ----------------------------------------------------------------------------------
 
     def begin(self, *, dim: int, config: dict[str, Any]) -> set[int]:
@@ -376,7 +315,7 @@ class FeatureStore:
         """
         config = json.loads(json.dumps(config))  # normalise tuples etc. to what the manifest stores
         self.path.mkdir(parents=True, exist_ok=True)
-        with _dir_lock(self.path):
+        with self._locked():
             self.reload()
             done = self._begin_locked(dim, config)
         self._writer = True
@@ -386,7 +325,8 @@ class FeatureStore:
         if not self.exists:
             self._write_manifest(
                 {
-                    "format": FORMAT,
+                    "format": STORE_FORMAT,
+                    "version": STORE_VERSION,
                     "dim": int(dim),
                     "dtype": "float32",
                     "shard_size": self.shard_size,
@@ -464,16 +404,7 @@ class FeatureStore:
         """Remove what a killed run may have left: temporary files and claims nobody holds, shards of a
         completed store. Runs under the directory lock."""
         for p in [*self.path.glob("*.tmp"), *self.path.glob("*.claim")]:
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                # A live writer holds its file's lock; without flock every one is stale.
-                if fcntl is None or _try_flock(fd, blocking=False):
-                    p.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
+            remove_stale(p)  # a live writer holds its file's lock
         if manifest.get("complete"):
             for p in self.path.glob("shard_*.npy"):
                 p.unlink(missing_ok=True)
@@ -494,13 +425,13 @@ class FeatureStore:
             return False
         if index in self._claims:
             return True
-        if not self.path.is_dir() or fcntl is None:
+        if not self.path.is_dir():
             return True
-        fd = _acquire(self._claim_path(index), blocking=False)
-        if fd is None:
-            who = _holder(self._claim_path(index)) or {}
+        lock = FileLock(self._claim_path(index), remove=True)
+        if not lock.acquire():
+            who = holder_record(self._claim_path(index)) or {}
             return who.get("pid") == os.getpid() and who.get("host") == socket.gethostname()
-        self._claims[index] = fd
+        self._claims[index] = lock
         if self.reload().complete or str(index) in self._shards():  # finished while we took the lock
             self.release(index)
             return False
@@ -509,18 +440,18 @@ class FeatureStore:
     def release(self, index: int | str) -> None:
         """Give up a claim this object holds (nothing happens when it holds none)."""
         key = int(index) if not isinstance(index, str) else index
-        fd = self._claims.pop(key, None)
+        lock = self._claims.pop(key, None)
         if self._implicit == key:
             self._implicit = None
-        if fd is not None:
-            _release(fd, self._claim_path(key))
+        if lock is not None:
+            lock.release()
 
     def claim_holder(self, index: int) -> dict[str, Any] | None:
         """``{"pid", "host", "since"}`` of the live process (not this object) that holds shard ``index``'s
         claim, or None."""
-        if int(index) in self._claims or fcntl is None:
+        if int(index) in self._claims:
             return None
-        return _holder(self._claim_path(int(index)))
+        return holder_record(self._claim_path(int(index)))
 
     def _held_elsewhere(self, index: int) -> bool:
         """Another live process holds the claim (one of this process is never waited for)."""
@@ -611,28 +542,18 @@ class FeatureStore:
         if not np.isfinite(features).all():
             raise ValueError(f"FeatureStore: shard {index} has non-finite values; refusing to store them.")
         target = self._shard_path(index)
-        fd, tmp = _locked_tmp(self.path, target.name)
         try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, features)
-                f.flush()
-                os.fsync(f.fileno())
-                os.replace(tmp, target)  # while the temporary file is still locked
-        except BaseException as exc:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            err = _write_error(exc, target, len(_npy_header(features.shape)) + features.nbytes)
-            if err is not exc:
-                raise err from exc
-            raise
-        fsync_dir(self.path)
+            need = len(_npy_header(features.shape)) + features.nbytes
+            atomic_write(target, lambda f: np.save(f, features), size=need)
+        except StorageError as err:
+            raise _kept(err, target) from err
         record = {
             "file": target.name,
             "rows": len(features),
             "data_sha256": data_sha256,
             "sha256": _rows_sha256(features),
         }
-        with _dir_lock(self.path):
+        with self._locked():
             manifest = self.reload()._read_manifest()  # other writers may have added shards meanwhile
             if manifest.get("complete"):
                 raise ValueError(f"FeatureStore: {self.path} was completed meanwhile; it takes no more shards.")
@@ -672,6 +593,8 @@ class FeatureStore:
         if rows.dtype != np.float32 or rows.shape != (rec["rows"], self.dim):
             return None, f"({name}) {_BROKEN} (shape {rows.shape} {rows.dtype}, expected ({rec['rows']}, {self.dim}))"
         if "sha256" not in rec:
+            if self._checksummed():
+                return None, f"({name}) has no checksum (no 'sha256' in its record in manifest.json)"
             self._warn_unchecked()
         elif _rows_sha256(rows) != rec["sha256"]:
             return None, f"({name}) does not match its checksum (sha256 in manifest.json; a bit flip on disk)"
@@ -684,7 +607,7 @@ class FeatureStore:
         rows = {int(k): int(r["rows"]) for k, r in manifest["shards"].items()}
         unsaved = ""
         try:
-            with _dir_lock(self.path):
+            with self._locked():
                 manifest = self.reload()._read_manifest()
                 if reopen:
                     shards = {k: dict(r, file=_FEATURES) for k, r in manifest["shards"].items() if int(k) not in bad}
@@ -751,15 +674,15 @@ class FeatureStore:
             return self._finalized(n_examples)
         self._check_shards_for(n_examples)
         key = _FINALIZE
-        fd = _acquire(self._claim_path(key), blocking=True) if fcntl is not None else None
-        if fd is not None:
-            self._claims[key] = fd
+        lock = FileLock(self._claim_path(key), remove=True)
+        lock.acquire(blocking=True)
+        self._claims[key] = lock
         try:
             if self.reload().complete:  # another process finished it while we waited
                 return self._finalized(n_examples)
             self._check_shards_for(n_examples)
             self._assemble(self._read_manifest(), n_examples)
-            with _dir_lock(self.path):
+            with self._locked():
                 manifest = dict(self.reload()._read_manifest(), complete=True, n_examples=int(n_examples))
                 self._write_manifest(manifest)
                 self._cleanup(manifest)
@@ -792,7 +715,7 @@ class FeatureStore:
                 raise ValueError(f"FeatureStore: shard {i} has {shards[str(i)]['rows']} rows, expected {want}.")
 
     def _assemble(self, manifest: dict[str, Any], n_examples: int) -> None:
-        """Write features.npy from the checked shards: preallocated, plain writes, fsync, rename.
+        """Write features.npy from the checked shards: preallocated, plain writes, atomically (fsync, rename).
 
         Raises:
             ValueError: shards that fail their check (dropped from the manifest).
@@ -804,34 +727,24 @@ class FeatureStore:
         target = self.path / _FEATURES
         old = self._old_features() if any(r.get("file") == _FEATURES for r in shards.values()) else None
         bad: dict[int, str] = {}
-        fd, tmp = _locked_tmp(self.path, _FEATURES)
-        try:
-            try:
-                _preallocate(fd, need)
-                _write_all(fd, header)
-                for i in range(-(-n_examples // self.shard_size)):
-                    rows, problem = self._rows_of(i, shards[str(i)], old)
-                    if rows is None:
-                        bad[i] = problem
-                    elif not bad:  # once one is bad the file is lost anyway: only check the rest
-                        _write_all(fd, rows)
-                if not bad:
-                    os.fsync(fd)
-            except OSError as exc:
-                err = _write_error(exc, target, need)
-                if err is not exc:
-                    raise err from exc
-                raise
+
+        def write(f: Any) -> None:  # plain writes to the file's descriptor (no memory map: no SIGBUS)
+            fd = f.fileno()
+            _preallocate(fd, need)
+            _write_all(fd, header)
+            for i in range(-(-n_examples // self.shard_size)):
+                rows, problem = self._rows_of(i, shards[str(i)], old)
+                if rows is None:
+                    bad[i] = problem
+                elif not bad:  # once one is bad the file is lost anyway: only check the rest
+                    _write_all(fd, rows)
             if bad:
                 raise ValueError(self._drop(bad))
-            os.replace(tmp, target)  # while the temporary file is still locked
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
-        fsync_dir(self.path)
+
+        try:
+            atomic_write(target, write, size=need)
+        except StorageError as err:
+            raise _kept(err, target) from err
         st = os.stat(target)
         self._verified = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -886,7 +799,10 @@ class FeatureStore:
         bad: dict[int, str] = {}
         for key, rec in manifest["shards"].items():
             if "sha256" not in rec:
-                self._warn_unchecked()
+                if self._checksummed():
+                    bad[int(key)] = "have no checksum (no 'sha256' in their record in manifest.json)"
+                else:
+                    self._warn_unchecked()
                 continue
             start = int(key) * self.shard_size
             if _rows_sha256(feats[start : start + rec["rows"]]) != rec["sha256"]:

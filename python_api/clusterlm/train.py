@@ -120,7 +120,7 @@ from clusterlm._io import (
     remove_temporaries,
     storage_errors,
 )
-from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
+from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data
 from clusterlm.engine import (
     CKPT_DIR,
     CKPT_VERSION,
@@ -152,6 +152,7 @@ from clusterlm.launch import (
 from clusterlm.metrics import CURVE, METRICS, SUMMARY, MetricsLog, plot_training, step_record, summarize, summary_text
 from clusterlm.models import check_model_id, load_model
 from clusterlm.plan import Plan
+from clusterlm.planfile import plan_dir_hint, read_plan_meta
 from clusterlm.sampler import PlanSampler
 
 __all__ = [
@@ -161,7 +162,6 @@ __all__ = [
     "world_size_error",
 ]
 
-DEFAULT_MAX_LENGTH = 1024  # what `clusterlm select` uses when the plan does not record one
 CPUINFO = "/proc/cpuinfo"
 # x86 flags of native bf16 arithmetic (AVX512-BF16, AMX), and aarch64's BF16 extension ("Features" line).
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
@@ -234,12 +234,11 @@ def validate_args(args: Any) -> None:
         )
 
 
-def plan_world_size(plan_dir: str | os.PathLike) -> int | None:
-    """World size recorded in a plan directory's plan.json (None when unreadable: the ranks' Plan.load says why)."""
-    try:
-        return int(json.loads((Path(plan_dir) / "plan.json").read_text(encoding="utf-8"))["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def plan_world_size(plan_dir: str | os.PathLike) -> int:
+    """World size recorded in a plan directory's plan.json, read once plan.json passed Plan.load's checks
+    (:func:`clusterlm.planfile.read_plan_meta`): a damaged or hand-edited plan is refused naming the field,
+    before any advice about process counts."""
+    return int(read_plan_meta(plan_dir)["world_size"])
 
 
 def world_size_error(plan_ws: int, world_size: int, how: str) -> ValueError:
@@ -294,10 +293,11 @@ def check_inputs(args: Any, *, plan_dir: bool) -> None:
         if isinstance(value, (str, os.PathLike)) and value and not Path(value).exists():
             raise FileNotFoundError(f"train: {flag} {value}: no such file or directory.")
     if plan_dir and not (Path(args.plan) / "plan.json").is_file():
-        raise FileNotFoundError(
+        hint = plan_dir_hint(args.plan)  # out/plan.npz given: pass out/
+        raise FileNotFoundError(f"train: --plan {args.plan} {hint}." if hint else (
             f"train: --plan {args.plan}: no plan there (no plan.json); make one with clusterlm select --out "
             f"{args.plan}, or train a baseline: --plan full, --plan random:<ratio>."
-        )
+        ))
     resume_from = getattr(args, "resume", None)
     if resume_from not in (None, LATEST) and not Path(resume_from).is_file():
         raise FileNotFoundError(f"train: --resume {resume_from}: no such checkpoint file.")
@@ -876,3 +876,31 @@ if __name__ == "__main__":  # python -m clusterlm.train / torchrun -m clusterlm.
     from clusterlm.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))
+
+
+def run(args: Any, rank_argv: Sequence[str], *, build_plan: PlanBuilder | None = None) -> int:
+    """``clusterlm train``: train in this process (under torchrun or alone), or start the ranks; the exit status.
+
+    Every check that can fail runs here, before any process starts: one error line instead of one per rank.
+
+    Args:
+        args: the parsed ``clusterlm train`` options.
+        rank_argv: the command line every rank gets (``args`` without the launcher's options).
+        build_plan: builds a baseline plan from the data (``--plan full`` / ``random:...``), None for a plan
+            directory.
+
+    Returns:
+        0, or the exit status of the ranks.
+    """
+    nproc = args.nproc or 1
+    validate_args(args)
+    if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
+        check_inputs(args, plan_dir=build_plan is None)  # the ranks check again; this fails before any starts
+        if args.nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
+            check_unlocked(args.out)
+        plan_ws = None if build_plan is not None else plan_world_size(args.plan)
+        if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
+            raise world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")
+        return launch(rank_argv, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    train(args, build_plan=build_plan)
+    return 0

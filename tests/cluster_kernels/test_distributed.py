@@ -27,7 +27,7 @@ CASES = {
     "cap1.5-f32-kmeans++": ("float32", 5, "cap1.5", "all-rows", {}),
     "cap1.5-f64-init-pivots": ("float64", 5, "cap1.5", "explicit", {"gather_limit": 3}),
     "exact-f32-init": ("float32", 4, "exact", "explicit", {}),
-    "min-size-f64-one-candidate": ("float64", 4, "min", "explicit", {"n_candidates": 1, "max_iter": 3}),
+    "min-size-f64-init": ("float64", 4, "min", "explicit", {"max_iter": 3}),
     "cosine-f32-kmeans++": ("float32", 4, "cap1.2", "all-rows", {"metric": "cosine"}),
     "sampled-init-f32": ("float32", 4, "cap1.5", "sample", {}),
 }
@@ -118,13 +118,12 @@ def references(data_dir):
     for name in CASES:
         x = np.load(data_dir / f"{CASES[name][0]}.npy")
         k, kw = case_kwargs(name, x)
-        single = {key: v for key, v in kw.items() if key != "n_candidates"}
         if CASES[name][3] == "sample":  # the sample does not depend on the world size: compare with one rank
             refs[name] = {"torch": distributed_capacity_kmeans(x, k, **kw, **distributed_kwargs(name))}
             continue
-        refs[name] = {"torch": capacity_kmeans(x, k, backend="torch", **single)}
+        refs[name] = {"torch": capacity_kmeans(x, k, backend="torch", **kw)}
         if HAS_CPU and CASES[name][3] == "explicit":
-            refs[name]["cpu"] = capacity_kmeans(x, k, backend="cpu", **single)
+            refs[name]["cpu"] = capacity_kmeans(x, k, backend="cpu", **kw)
     return refs
 
 
@@ -179,15 +178,12 @@ def test_one_process_matches_the_reference_with_tiny_chunks():
     assert got.offset == 0 and got.n_total == 280 and got.stats["world_size"] == 1
 
 
-def test_candidate_list_arguments_are_deprecated_and_change_nothing():
+def test_removed_candidate_list_arguments_are_unknown_keywords():
     x = blobs(120, d=4, seed=6)
     kw = {"max_size": 25, "max_iter": 6, "init_sample_size": 120, "progress": False}
-    plain = distributed_capacity_kmeans(x, 5, **kw)
-    with pytest.warns(DeprecationWarning, match="n_candidates has no effect"):
-        old = distributed_capacity_kmeans(x, 5, n_candidates=2, **kw)
-    with pytest.warns(DeprecationWarning, match="approx_distances has no effect"):
-        distributed_capacity_kmeans(x, 5, approx_distances=False, **kw)
-    np.testing.assert_array_equal(old.labels, plain.labels)
+    for name, value in (("n_candidates", 2), ("approx_distances", False)):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            distributed_capacity_kmeans(x, 5, **{name: value}, **kw)
 
 
 def test_tensor_in_tensor_out_and_identical_to_numpy():

@@ -16,7 +16,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, vstack
 
 from cluster_kernels import _backend, assign_with_capacity, capacity_kmeans
-from cluster_kernels.kmeans import assign_ref
+from cluster_kernels.kmeans import N_LOCAL_TRIALS_BASE, SplitMix64, assign_ref, kmeans_plusplus, run_seed
 
 C = _backend.native()
 needs_native = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")
@@ -286,3 +286,39 @@ def test_missing_backends_say_how_to_get_them(monkeypatch):
         capacity_kmeans(x, 2, backend="cuda")
     res = capacity_kmeans(x, 2, backend="auto")  # falls back to the reference
     assert res.sizes.sum() == 10
+
+
+def kmeans_plusplus_oracle(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
+    """Greedy k-means++ in float64, one candidate at a time: the oracle of ``kmeans.kmeans_plusplus``."""
+    n = x.shape[0]
+    trials = N_LOCAL_TRIALS_BASE + int(math.log(k))
+
+    def sqdist(c: torch.Tensor) -> torch.Tensor:
+        return ((x * x).sum(1)[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None, :]).clamp_min(0.0)
+
+    first = min(int(rng.uniform() * n), n - 1)
+    centers = [x[first]]
+    closest = sqdist(x[first : first + 1])[:, 0]
+    for _ in range(1, k):
+        cum = torch.cumsum(closest, 0)
+        total = float(cum[-1])
+        cands = [min(int(torch.searchsorted(cum, torch.tensor(rng.uniform() * total, dtype=cum.dtype), right=True)),
+                     n - 1) for _ in range(trials)]
+        best_pot, best_c, best_d = math.inf, -1, None
+        for cand in cands:
+            nd = torch.minimum(closest, sqdist(x[cand : cand + 1])[:, 0])
+            if float(nd.sum()) < best_pot:
+                best_pot, best_c, best_d = float(nd.sum()), cand, nd
+        centers.append(x[best_c])
+        closest = best_d
+    return torch.stack(centers)
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 30])
+def test_kmeans_plusplus_picks_the_oracles_centres(k):
+    x = torch.from_numpy(blobs(700, 9, 5, seed=k))
+    x = x - x.mean(0)
+    for run in range(3):
+        got = kmeans_plusplus(x, k, SplitMix64(run_seed(11, run)))
+        want = kmeans_plusplus_oracle(x, k, SplitMix64(run_seed(11, run)))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

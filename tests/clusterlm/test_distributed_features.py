@@ -85,7 +85,7 @@ class Counting:
 
 
 def test_ranks_fill_contiguous_shards_and_the_result_equals_one_process(tmp_path):
-    feat = GradientFeaturizer(tiny_llama(), layers="all-linear", dim=(4, 4))
+    feat = GradientFeaturizer(tiny_llama(), features="all-linear", dim=(4, 4))
     data = examples(11)
     parts = [featurize_sharded(feat, data, tmp_path / "s", rank=r, world_size=3, shard_size=2, progress=False)
              for r in range(3)]
@@ -107,7 +107,7 @@ def test_ranks_fill_contiguous_shards_and_the_result_equals_one_process(tmp_path
 
 
 def test_a_restarted_rank_redoes_only_its_unfinished_shards(tmp_path):
-    feat = GradientFeaturizer(tiny_llama(), layers="lm_head", dim=(4, 2))
+    feat = GradientFeaturizer(tiny_llama(), features="lm_head", dim=(4, 2))
     data = examples(14)
     featurize_sharded(feat, data, tmp_path, rank=0, world_size=2, shard_size=2, progress=False)
     dying = Counting(feat, fail_at=3)
@@ -178,7 +178,7 @@ def _select_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     info = init_distributed()
     try:
-        feat = GradientFeaturizer(TinyLM(), layers="lm_head", dim=(4, 4))
+        feat = GradientFeaturizer(TinyLM(), features="lm_head", dim=(4, 4))
         part = featurize_sharded(feat, examples(23), os.path.join(out, "store"), rank=info.rank,
                                  world_size=info.world_size, shard_size=3, progress=info.rank == 0)
         res = distributed_capacity_kmeans(part.local(), 3, max_size=9, init_sample_size=23, progress=False)
@@ -195,7 +195,7 @@ def test_two_gloo_ranks_featurize_then_cluster_like_one_process(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_select_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
-    feat = GradientFeaturizer(TinyLM(), layers="lm_head", dim=(4, 4))
+    feat = GradientFeaturizer(TinyLM(), features="lm_head", dim=(4, 4))
     # The ranks run 1 thread each; so does the reference: a thread count changes float summation order on
     # some CPUs (seen on AMD EPYC: 1e-8 differences), and the claim is sharded == one process, same settings.
     threads = torch.get_num_threads()

@@ -126,7 +126,7 @@ EXAMPLES = make_examples([5, 9, 3, 12, 1 + 6, 2])
 @pytest.mark.parametrize("layers", ["all-linear", "lm_head"])
 def test_features_match_per_example_autograd_oracle(arch, layers):
     model = tiny_model(arch)
-    feat = GradientFeaturizer(model, layers=layers, dim=(8, 6), seed=3)
+    feat = GradientFeaturizer(model, features=layers, dim=(8, 6), seed=3)
     got = feat.featurize(EXAMPLES, batch_tokens=30, progress=False)
     assert got.dtype == np.float32 and got.shape == (len(EXAMPLES), 48)
     ref = oracle(model, EXAMPLES, feat.layer_names, 8, 6, seed=3)
@@ -136,7 +136,7 @@ def test_features_match_per_example_autograd_oracle(arch, layers):
 def test_explicit_layer_list_and_unnormalised_features_match_oracle():
     model = tiny_model("llama")
     names = ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj", "lm_head"]
-    feat = GradientFeaturizer(model, layers=names, dim=12, normalize=False)
+    feat = GradientFeaturizer(model, features=names, dim=12, normalize=False)
     assert (feat.k_o, feat.k_i) == (3, 4)
     got = feat.featurize(EXAMPLES, progress=False)
     ref = oracle(model, EXAMPLES, feat.layer_names, 3, 4, normalize=False)
@@ -146,11 +146,11 @@ def test_explicit_layer_list_and_unnormalised_features_match_oracle():
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_paper_preset_is_the_authors_proxy(arch):
     model = tiny_model(arch)
-    feat = GradientFeaturizer(model, layers="paper")
+    feat = GradientFeaturizer(model, features="paper")
     assert feat.feature_dim == 32 and not feat.needs_backward
     got = feat.featurize(EXAMPLES, progress=False)
     np.testing.assert_allclose(got, paper_oracle(model, EXAMPLES), atol=2e-6, rtol=0)
-    raw = GradientFeaturizer(model, layers="paper", normalize=False).featurize(EXAMPLES, progress=False)
+    raw = GradientFeaturizer(model, features="paper", normalize=False).featurize(EXAMPLES, progress=False)
     ref = paper_oracle(model, EXAMPLES, normalize=False)
     np.testing.assert_allclose(raw, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
@@ -162,7 +162,7 @@ def test_lora_preset_projects_the_lora_a_and_b_gradients():
     )  # B != 0, so A has a gradient too
     model = peft.get_peft_model(base, cfg)
     model.train()  # dropout active in training mode: the featurizer must switch it off
-    feat = GradientFeaturizer(model, layers="lora", dim=(5, 4))
+    feat = GradientFeaturizer(model, features="lora", dim=(5, 4))
     assert len(feat.layer_names) == 2 * 2 * 3 and all(".lora_A." in n or ".lora_B." in n for n in feat.layer_names)
     got = feat.featurize(EXAMPLES, batch_tokens=20, progress=False)
     assert model.training
@@ -172,7 +172,7 @@ def test_lora_preset_projects_the_lora_a_and_b_gradients():
 
 def test_an_examples_features_do_not_depend_on_its_batch():
     model = tiny_model("qwen2")
-    feat = GradientFeaturizer(model, layers="all-linear", dim=(6, 6))
+    feat = GradientFeaturizer(model, features="all-linear", dim=(6, 6))
     alone = np.stack([feat.featurize([ex], progress=False)[0] for ex in EXAMPLES])
     together = feat.featurize(EXAMPLES, batch_tokens=10_000, progress=False)
     other_mix = feat.featurize(EXAMPLES[::-1] + make_examples([20, 4], seed=9), batch_tokens=25, progress=False)
@@ -194,7 +194,7 @@ def test_model_state_is_restored_and_no_weight_gradient_is_computed():
         seen["training"] = module.training
 
     spy_handle = model.model.layers[1].mlp.down_proj.register_forward_hook(spy)
-    GradientFeaturizer(model, layers="all-linear", dim=4).featurize(EXAMPLES, progress=False)
+    GradientFeaturizer(model, features="all-linear", dim=4).featurize(EXAMPLES, progress=False)
     spy_handle.remove()
     assert seen == {"requires_grad": False, "training": False}
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
@@ -213,7 +213,7 @@ def test_model_state_is_restored_on_error(monkeypatch):
 
     monkeypatch.setattr(features_mod, "project_linear_grads", boom)
     with pytest.raises(RuntimeError, match="kernel failed"):
-        GradientFeaturizer(model, layers="all-linear", dim=4).featurize(EXAMPLES, progress=False)
+        GradientFeaturizer(model, features="all-linear", dim=4).featurize(EXAMPLES, progress=False)
     assert model.training and all(p.requires_grad for p in model.parameters())
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
@@ -224,7 +224,7 @@ def test_head_presets_run_forward_only_and_never_build_logits(layers):
     model = tiny_model("llama")
     seen = []
     hook = model.lm_head.register_forward_hook(lambda m, a, out: seen.append((torch.is_grad_enabled(), out.shape)))
-    GradientFeaturizer(model, layers=layers, dim=None if layers == "paper" else 16).featurize(EXAMPLES, progress=False)
+    GradientFeaturizer(model, features=layers, dim=None if layers == "paper" else 16).featurize(EXAMPLES, progress=False)
     hook.remove()
     assert seen and all(grad is False and shape[-2] == 0 for grad, shape in seen)
 
@@ -233,7 +233,7 @@ def test_all_linear_never_builds_full_logits():
     model = tiny_model("llama")
     shapes = []
     hook = model.lm_head.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
-    GradientFeaturizer(model, layers="all-linear", dim=4).featurize(EXAMPLES, progress=False)
+    GradientFeaturizer(model, features="all-linear", dim=4).featurize(EXAMPLES, progress=False)
     hook.remove()
     assert shapes and all(s[-2] == 0 for s in shapes)
 
@@ -242,7 +242,7 @@ def test_data_formats_give_identical_features():
     import datasets
 
     model = tiny_model("llama")
-    feat = GradientFeaturizer(model, layers="lm_head", dim=(4, 4))
+    feat = GradientFeaturizer(model, features="lm_head", dim=(4, 4))
     ref = feat.featurize(EXAMPLES, progress=False)
     ds = datasets.Dataset.from_list(EXAMPLES)
     np.testing.assert_array_equal(feat.featurize(ds, progress=False), ref)
@@ -265,7 +265,7 @@ def test_data_formats_give_identical_features():
 
 def test_batch_budget_does_not_change_features_beyond_rounding():
     model = tiny_model("gpt2")
-    feat = GradientFeaturizer(model, layers="all-linear", dim=(4, 8))
+    feat = GradientFeaturizer(model, features="all-linear", dim=(4, 8))
     a = feat.featurize(EXAMPLES, batch_tokens=1, progress=False)  # one example per batch
     b = feat.featurize(EXAMPLES, batch_tokens=100_000, shard_size=4, progress=False)
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -273,8 +273,8 @@ def test_batch_budget_does_not_change_features_beyond_rounding():
 
 def test_autocast_dtype_gives_close_features():
     model = tiny_model("llama")
-    ref = GradientFeaturizer(model, layers="all-linear", dim=(8, 8)).featurize(EXAMPLES, progress=False)
-    low = GradientFeaturizer(model, layers="all-linear", dim=(8, 8), dtype=torch.bfloat16).featurize(
+    ref = GradientFeaturizer(model, features="all-linear", dim=(8, 8)).featurize(EXAMPLES, progress=False)
+    low = GradientFeaturizer(model, features="all-linear", dim=(8, 8), dtype=torch.bfloat16).featurize(
         EXAMPLES, progress=False
     )
     cosine = (ref * low).sum(1) / np.linalg.norm(low, axis=1)
@@ -283,13 +283,13 @@ def test_autocast_dtype_gives_close_features():
 
 def test_progress_bar_reports_examples_and_tokens_per_second(capsys):
     model = tiny_model("llama")
-    GradientFeaturizer(model, layers="lm_head", dim=4).featurize(EXAMPLES, progress=True)
+    GradientFeaturizer(model, features="lm_head", dim=4).featurize(EXAMPLES, progress=True)
     err = capsys.readouterr().err
     assert "ex/s" in err and "tok/s" in err and f"{len(EXAMPLES)}/{len(EXAMPLES)}" in err
 
 
 def test_empty_data_gives_an_empty_array():
-    feat = GradientFeaturizer(tiny_model("llama"), layers="lm_head", dim=(2, 3))
+    feat = GradientFeaturizer(tiny_model("llama"), features="lm_head", dim=(2, 3))
     out = feat.featurize([], progress=False)
     assert out.shape == (0, 6) and out.dtype == np.float32
 
@@ -302,7 +302,7 @@ def test_example_without_answer_tokens_is_refused_naming_its_index():
     data[2]["labels"] = [-100] * 6 + [3]  # only labels[0] would count, and it predicts nothing
     data[2]["labels"][0] = 5
     data[2]["labels"][-1] = -100
-    feat = GradientFeaturizer(tiny_model("llama"), layers="lm_head", dim=4)
+    feat = GradientFeaturizer(tiny_model("llama"), features="lm_head", dim=4)
     with pytest.raises(ValueError, match="example 2 has no answer token"):
         feat.featurize(data, progress=False)
 
@@ -318,7 +318,7 @@ def test_example_without_answer_tokens_is_refused_naming_its_index():
     ],
 )
 def test_malformed_examples_are_refused_naming_the_index(example, match):
-    feat = GradientFeaturizer(tiny_model("llama"), layers="lm_head", dim=4)
+    feat = GradientFeaturizer(tiny_model("llama"), features="lm_head", dim=4)
     with pytest.raises((ValueError, TypeError), match=match):
         feat.featurize(make_examples([4]) + [example], progress=False)
 
@@ -329,7 +329,7 @@ def test_unknown_layer_names_list_the_available_ones():
         match=r"no linear layer named 'model.layers.9.mlp'.*Available layers: lm_head, "
         r"model.layers.0.self_attn.q_proj",
     ):
-        GradientFeaturizer(tiny_model("llama"), layers=["model.layers.9.mlp", "lm_head"])
+        GradientFeaturizer(tiny_model("llama"), features=["model.layers.9.mlp", "lm_head"])
 
 
 @pytest.mark.parametrize(
@@ -370,11 +370,11 @@ def test_gradient_checkpointing_is_refused_with_the_fix():
     model = tiny_model("llama")
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-        GradientFeaturizer(model, layers="all-linear", dim=4).featurize(EXAMPLES, progress=False)
+        GradientFeaturizer(model, features="all-linear", dim=4).featurize(EXAMPLES, progress=False)
 
 
 def test_featurize_batch_equals_the_rows_of_featurize():
-    feat = GradientFeaturizer(tiny_model("gpt2"), layers="all-linear", dim=(4, 4))
+    feat = GradientFeaturizer(tiny_model("gpt2"), features="all-linear", dim=(4, 4))
     rows = feat.featurize(EXAMPLES, batch_tokens=10_000, progress=False)
     batch = feat.featurize_batch(EXAMPLES)
     assert isinstance(batch, torch.Tensor) and batch.dtype == torch.float32
@@ -409,8 +409,8 @@ def test_max_tokens_features_equal_the_features_of_the_cut_examples():
     for ex in data:
         lo, hi = features_mod.feature_window(np.asarray(ex["labels"]), 12)
         cut.append({"input_ids": ex["input_ids"][lo:hi], "labels": ex["labels"][lo:hi]})
-    windowed = GradientFeaturizer(model, layers="lm_head", dim=(4, 4), max_tokens=12)
-    whole = GradientFeaturizer(model, layers="lm_head", dim=(4, 4))
+    windowed = GradientFeaturizer(model, features="lm_head", dim=(4, 4), feature_tokens=12)
+    whole = GradientFeaturizer(model, features="lm_head", dim=(4, 4))
     a = windowed.featurize(data, progress=False)
     np.testing.assert_allclose(a, whole.featurize(cut, progress=False), atol=1e-6, rtol=0)
     assert np.abs(a - whole.featurize(data, progress=False)).max() > 1e-3  # the window does change long examples
@@ -420,4 +420,4 @@ def test_max_tokens_features_equal_the_features_of_the_cut_examples():
 @pytest.mark.parametrize("bad", [0, 1, 2.5, True, "64"])
 def test_bad_max_tokens_is_refused(bad):
     with pytest.raises(ValueError, match="max_tokens must be None"):
-        GradientFeaturizer(tiny_model("llama"), layers="lm_head", dim=4, max_tokens=bad)
+        GradientFeaturizer(tiny_model("llama"), features="lm_head", dim=4, feature_tokens=bad)

@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers")
 from accelerate.data_loader import prepare_data_loader, skip_first_batches  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
+from clusterlm.allocation import selection_weights  # noqa: E402
 from clusterlm.data import collate, fingerprint  # noqa: E402
 from clusterlm.integrations.hf import WEIGHT_KEY, ClusterTrainer, PlanCollator, PlanWeightedDataset  # noqa: E402
 from clusterlm.loss import per_example_loss, weighted_loss  # noqa: E402
-from clusterlm.plan import Plan, selection_weights  # noqa: E402
+from clusterlm.plan import Plan  # noqa: E402
 from clusterlm.sampler import PlanSampler  # noqa: E402
 
 N, VOCAB = 16, 128

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.plan import PLAN_VERSION, Plan, selection_weights
+from clusterlm.allocation import selection_weights
+from clusterlm.plan import Plan
+from clusterlm.planfile import PLAN_VERSION
 
 
 def _fingerprint_scheme(examples) -> dict:

@@ -87,7 +87,7 @@ def examples(real: tuple[Any, Any, str]) -> list[dict[str, list[int]]]:
 def reference(real: tuple[Any, Any, str], examples: list[dict[str, list[int]]]) -> dict[str, np.ndarray]:
     """Float64 reference features of the paper, lm-head and all-linear modes, from a float64 copy of the model
     (the float32 weights exactly), which is dropped again once they are computed."""
-    names = GradientFeaturizer(real[0], layers="all-linear", dim=DIM, seed=SEED).layer_names
+    names = GradientFeaturizer(real[0], features="all-linear", dim=DIM, seed=SEED).layer_names
     model64 = copy.deepcopy(real[0]).double()
     rows = [float64_gradient(model64, ex, names) for ex in examples]
     del model64
@@ -273,9 +273,9 @@ def test_feature_mode_matches_the_float64_reference(
     """
     model = real[0]
     if mode == "paper":
-        feat = GradientFeaturizer(model, layers="paper")
+        feat = GradientFeaturizer(model, features="paper")
     else:
-        feat = GradientFeaturizer(model, layers=mode, dim=DIM, seed=SEED)
+        feat = GradientFeaturizer(model, features=mode, dim=DIM, seed=SEED)
         assert feat.layer_names[-1] == "lm_head"
         assert len(feat.layer_names) == (1 if mode == "lm_head" else 30 * 7 + 1)
     got = feat.featurize(examples, batch_tokens=4096, progress=False)  # one padded batch of all four
@@ -295,7 +295,7 @@ def test_lora_features_match_the_float64_reference(real: tuple[Any, Any, str],
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.data.normal_(0.0, 0.02)  # as after some training: B = 0 would leave every A gradient zero
-    feat = GradientFeaturizer(model, layers="lora", dim=DIM, seed=SEED)
+    feat = GradientFeaturizer(model, features="lora", dim=DIM, seed=SEED)
     assert len(feat.layer_names) == 30 * 3 * 2
     got = feat.featurize(examples, batch_tokens=4096, progress=False)
     model.double()  # our own copy: the reference runs on exactly these weights, in float64

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from clusterlm.plan import Plan, selection_weights
+from clusterlm.allocation import selection_weights
+from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
 
 

@@ -282,7 +282,8 @@ def test_default_preset_token_balance_evens_rank_totals():
 
 
 def test_feature_tokens_resolve_per_preset():
-    from clusterlm.select import DEFAULT_FEATURE_TOKENS, resolve_feature_tokens
+    from clusterlm.config import resolve_feature_tokens
+    from clusterlm.features import DEFAULT_FEATURE_TOKENS
 
     assert resolve_feature_tokens("default", None) == DEFAULT_FEATURE_TOKENS
     assert resolve_feature_tokens("paper", None) is None

@@ -131,7 +131,7 @@ def test_store_refuses_bad_shards_and_incomplete_reads(tmp_path):
 
 
 def test_featurize_into_a_store_equals_featurize_in_memory(tmp_path):
-    feat = GradientFeaturizer(tiny_llama(), layers="all-linear", dim=(4, 4))
+    feat = GradientFeaturizer(tiny_llama(), features="all-linear", dim=(4, 4))
     data = examples(11)
     in_memory = feat.featurize(data, progress=False, shard_size=4)
     stored = feat.featurize(data, store=FeatureStore(tmp_path, shard_size=4), progress=False)
@@ -142,7 +142,7 @@ def test_featurize_into_a_store_equals_featurize_in_memory(tmp_path):
 
 
 def test_a_complete_store_is_returned_without_recomputing(tmp_path, monkeypatch):
-    feat = GradientFeaturizer(tiny_llama(), layers="lm_head", dim=(2, 2))
+    feat = GradientFeaturizer(tiny_llama(), features="lm_head", dim=(2, 2))
     data = examples(5)
     first = np.array(feat.featurize(data, store=str(tmp_path), shard_size=2, progress=False))
     monkeypatch.setattr(GradientFeaturizer, "_run_batch", lambda *a: pytest.fail("recomputed"))
@@ -151,7 +151,7 @@ def test_a_complete_store_is_returned_without_recomputing(tmp_path, monkeypatch)
 
 
 def test_resuming_on_changed_data_is_refused(tmp_path):
-    feat = GradientFeaturizer(tiny_llama(), layers="lm_head", dim=(2, 2))
+    feat = GradientFeaturizer(tiny_llama(), features="lm_head", dim=(2, 2))
     data = examples(6)
     store = FeatureStore(tmp_path, shard_size=2)
     store.begin(dim=feat.feature_dim, config=feat.config())
@@ -166,7 +166,7 @@ def test_resuming_on_changed_data_is_refused(tmp_path):
 
 
 def test_a_bad_example_in_a_stream_stops_before_its_shard_is_written(tmp_path):
-    feat = GradientFeaturizer(tiny_llama(), layers="lm_head", dim=(2, 2))
+    feat = GradientFeaturizer(tiny_llama(), features="lm_head", dim=(2, 2))
     data = examples(7)
     data[5]["labels"] = [-100] * len(data[5]["labels"])
     with pytest.raises(ValueError, match="example 5 has no answer token"):
@@ -178,11 +178,11 @@ def test_a_bad_example_in_a_stream_stops_before_its_shard_is_written(tmp_path):
 
 def test_a_model_of_another_configuration_cannot_resume_a_store(tmp_path):
     data = examples(4)
-    GradientFeaturizer(tiny_llama(0), layers="lm_head", dim=(2, 2)).featurize(
+    GradientFeaturizer(tiny_llama(0), features="lm_head", dim=(2, 2)).featurize(
         data, store=str(tmp_path), shard_size=2, progress=False
     )
     with pytest.raises(ValueError, match="another configuration"):
-        GradientFeaturizer(tiny_llama(1), layers="lm_head", dim=(2, 2)).featurize(
+        GradientFeaturizer(tiny_llama(1), features="lm_head", dim=(2, 2)).featurize(
             data, store=str(tmp_path), shard_size=2, progress=False
         )
 
@@ -213,7 +213,7 @@ CHILD = textwrap.dedent(
             original(self, *args, **kwargs)
             time.sleep(0.1)
         FeatureStore.write_shard = write_shard
-    feat = GradientFeaturizer(model, layers="all-linear", dim=(4, 4))
+    feat = GradientFeaturizer(model, features="all-linear", dim=(4, 4))
     feat.featurize(data, store=FeatureStore(resume_dir, shard_size=3), batch_tokens=20, progress=False)
     if fresh_dir != "-":
         feat.featurize(data, store=FeatureStore(fresh_dir, shard_size=3), batch_tokens=20, progress=False)

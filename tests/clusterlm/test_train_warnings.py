@@ -175,18 +175,18 @@ def _lora(init_lora_weights: bool) -> torch.nn.Module:
 def test_lora_features_warn_when_every_lora_b_is_zero():
     model = _lora(True)  # peft's default: lora_B = 0
     with pytest.warns(UserWarning, match="every lora_B weight .* is zero") as record:
-        GradientFeaturizer(model, layers="lora", dim=(4, 4))
+        GradientFeaturizer(model, features="lora", dim=(4, 4))
     assert "warm-up" in str(record[0].message) and "lm_head" in str(record[0].message)
     assert record[0].filename == __file__  # stacklevel points at the caller
     a_only = [n for n, _ in model.named_modules() if n.endswith(".lora_A.default")]
     with pytest.warns(UserWarning, match="lora_B"):
-        GradientFeaturizer(model, layers=a_only, dim=(4, 4))
+        GradientFeaturizer(model, features=a_only, dim=(4, 4))
 
     nonzero_b = _lora(False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        GradientFeaturizer(model, layers="all-linear", dim=(4, 4))  # base layers carry the signal
-        GradientFeaturizer(nonzero_b, layers="lora", dim=(4, 4))  # B != 0
+        GradientFeaturizer(model, features="all-linear", dim=(4, 4))  # base layers carry the signal
+        GradientFeaturizer(nonzero_b, features="lora", dim=(4, 4))  # B != 0
 
 
 def test_zero_lora_b_really_zeroes_the_lora_a_part():
@@ -195,7 +195,7 @@ def test_zero_lora_b_really_zeroes_the_lora_a_part():
     a_only = [n for n, _ in model.named_modules() if n.endswith(".lora_A.default")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        feat = GradientFeaturizer(model, layers=a_only, dim=(4, 4), normalize=False)
+        feat = GradientFeaturizer(model, features=a_only, dim=(4, 4), normalize=False)
     rng = np.random.default_rng(0)
     examples = [{"input_ids": rng.integers(0, 61, 12), "labels": np.r_[np.full(6, -100), rng.integers(0, 61, 6)]}
                 for _ in range(3)]

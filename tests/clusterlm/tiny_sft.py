@@ -88,8 +88,9 @@ def two_cluster_plan(examples: Any, world_size: int = 2, model_id: str = "", see
 
     The weights are ``K n_k / N`` (1.5 and 0.5 for two ranks), so a weighted average differs from a plain one.
     """
+    from clusterlm.allocation import selection_weights
     from clusterlm.data import fingerprint, lengths_of
-    from clusterlm.plan import Plan, selection_weights
+    from clusterlm.plan import Plan
 
     n = len(examples)
     rng = np.random.default_rng(seed)

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import clusterlm.store as store_mod
-from clusterlm.plan import Plan, selection_weights
+from clusterlm.allocation import selection_weights
+from clusterlm.plan import Plan
 from clusterlm.store import FeatureStore
 
 # ---- plans -------------------------------------------------------------------------------------------------
@@ -57,9 +58,10 @@ def _edit_json(d: Path, edit) -> None:
 
 
 def _make_old(d: Path) -> None:
-    """What the previous clusterlm wrote: no checksums over plan.json, no per-array checksums."""
+    """What the previous clusterlm wrote: format version 1, no checksums over plan.json, no per-array checksums."""
 
     def strip(meta):
+        meta["version"] = 1
         meta.pop("checksums", None)
         meta["arrays"].pop("checksums", None)
 
@@ -238,7 +240,8 @@ BROKEN_NPZ = [_truncate_half, _truncate_tail, _empty, _foreign, _lone_npy]
 @pytest.mark.parametrize("damage", BROKEN_NPZ, ids=[f.__name__.strip("_") for f in BROKEN_NPZ])
 def test_a_truncated_or_foreign_plan_npz_is_one_clear_error(saved, damage, old):
     if old:
-        _edit_json(saved, lambda m: (m.pop("checksums"), m["arrays"].pop("checksums"), m["arrays"].pop("sha256")))
+        _edit_json(saved, lambda m: (m.pop("checksums"), m["arrays"].pop("checksums"), m["arrays"].pop("sha256"),
+                                     m.update(version=1)))
     damage(saved / "plan.npz")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -264,7 +267,7 @@ def test_json_that_is_not_an_object_is_not_a_plan(saved):
 
 
 def test_a_plan_of_the_previous_version_still_loads_with_a_warning(saved):
-    _edit_json(saved, lambda m: (m.pop("checksums"), m["arrays"].pop("checksums")))
+    _make_old(saved)
     with pytest.warns(UserWarning, match=r"no checksums"):
         back = Plan.load(saved)
     np.testing.assert_array_equal(back.weights, make_plan().weights)
@@ -399,6 +402,8 @@ def test_a_store_of_the_previous_version_still_reads_with_a_warning(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     for rec in manifest["shards"].values():
         rec.pop("sha256", None)
+    manifest.pop("version")
+    manifest["format"] = "clusterlm.features/1"  # how version 1 named its format
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(UserWarning, match="no checksums"):
         feats = FeatureStore(tmp_path, shard_size=SHARD).features()

@@ -5,21 +5,25 @@ files, a tokenizer whose ids do not fit the embedding, things that are no model 
 line on stderr naming the fix, with exit status 2, before any weights are loaded (``from_pretrained`` of the
 model is a trap here) and without writing a plan.
 
-Data files: invalid JSON, a non-UTF-8 byte, empty files, missing or mistyped columns, non-datasets directories:
-one line naming the file (and the 1-based line for JSON), exit status 2.
+Weights that cannot be read (random bytes, a cut-short file, a missing shard, a damaged ``pytorch_model.bin``): one
+line naming the file and the fix (download or save again), exit status 2, before any weights load (issue 25).
+
+Data files: invalid JSON, a non-UTF-8 byte, empty files, missing or mistyped columns, non-datasets directories,
+every answer empty: one line naming the file (and the 1-based line for JSON), exit status 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from cli_helpers import run_cli
 
-from clusterlm import cli
 from clusterlm.data import load_data
 from clusterlm.demo import demo_data
 from clusterlm.models import load_model
@@ -29,11 +33,7 @@ transformers = pytest.importorskip("transformers")
 RECORDS = [{"prompt": f"def add_{i}(x):", "response": f"    return x + {i}\n"} for i in range(8)]
 
 
-def _run(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as e:  # argparse
-        return int(e.code or 0)
+_run = run_cli
 
 
 def _select(model: str | Path, data: str | Path, out: Path) -> list[str]:
@@ -141,9 +141,44 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
                                                             "architectures": ["BrandNewForCausalLM"]}))
     (z.unknown_type / "model.safetensors").write_bytes((z.causal / "model.safetensors").read_bytes())
     tok.save_pretrained(str(z.unknown_type))
+    _damaged_weights(z)
     z.data = root / "train.jsonl"
     z.data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS), encoding="utf-8")
     return z
+
+
+def _copy_model(z: SimpleNamespace, name: str, *, weights: bool = True) -> Path:
+    """A copy of the causal Llama directory (without its weights when ``weights`` is False)."""
+    path = z.root / name
+    path.mkdir()
+    for f in z.causal.iterdir():
+        if weights or not f.name.endswith(".safetensors"):
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def _damaged_weights(z: SimpleNamespace) -> None:
+    """Model directories whose weights files cannot be read."""
+    whole = (z.causal / "model.safetensors").read_bytes()
+    z.random_weights = _copy_model(z, "random-weights", weights=False)  # the fault probe's case
+    (z.random_weights / "model.safetensors").write_bytes(os.urandom(len(whole)))
+    z.cut_weights = _copy_model(z, "cut-weights", weights=False)  # an interrupted download
+    (z.cut_weights / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    z.tiny_weights = _copy_model(z, "tiny-weights", weights=False)  # shorter than a header
+    (z.tiny_weights / "model.safetensors").write_bytes(b"\x01\x02")
+    z.missing_shard = _copy_model(z, "missing-shard", weights=False)
+    (z.missing_shard / "model-00001-of-00002.safetensors").write_bytes(whole)
+    shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+              "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (z.missing_shard / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    z.bad_index = _copy_model(z, "bad-index", weights=False)
+    (z.bad_index / "model.safetensors.index.json").write_text('{"weight_map": ')
+    z.random_bin = _copy_model(z, "random-bin", weights=False)  # the older torch.save format
+    (z.random_bin / "pytorch_model.bin").write_bytes(os.urandom(4096))
+    # A header whose length and offsets are right but whose dtype safetensors does not know: caught at load.
+    z.bad_dtype = _copy_model(z, "bad-dtype", weights=False)
+    header = json.dumps({"w": {"dtype": "X99", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (z.bad_dtype / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
 
 
 @pytest.fixture
@@ -190,6 +225,36 @@ THING_CASES = {
     "config-and-tokenizer-but-no-weights": ("no_weights", ("weights",)),
     "peft-adapter-directory": ("adapter", ("adapter", "merge_and_unload")),
 }
+
+
+WEIGHTS_CASES = {
+    # name: (fixture attribute, the file named, words the one line must contain)
+    "random-bytes-safetensors": ("random_weights", "model.safetensors", ("unreadable", "header")),
+    "cut-short-safetensors": ("cut_weights", "model.safetensors", ("unreadable", "cut short")),
+    "two-byte-safetensors": ("tiny_weights", "model.safetensors", ("unreadable", "shorter than")),
+    "missing-shard": ("missing_shard", "model-00002-of-00002.safetensors", ("unreadable", "missing")),
+    "index-not-json": ("bad_index", "model.safetensors.index.json", ("unreadable",)),
+    "random-bytes-pytorch-bin": ("random_bin", "pytorch_model.bin", ("unreadable", "zip")),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTS_CASES))
+def test_unreadable_weights_are_one_line_naming_the_file(case: str, zoo: SimpleNamespace, no_weights_loaded: None,
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 25, item 1: was a traceback ending in ``SafetensorError: ... header too large``."""
+    attr, name, needles = WEIGHTS_CASES[case]
+    out = tmp_path / "plan"
+    rc = _run(_select(getattr(zoo, attr), zoo.data, out))
+    line = _one_line(rc, capsys.readouterr().err, str(getattr(zoo, attr) / name), *needles)
+    assert "download the model again" in line and "save_pretrained" in line
+    assert not (out / "plan.json").exists()
+
+
+def test_weights_damage_found_only_while_loading_is_one_line(zoo: SimpleNamespace, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """A header that parses but names a dtype safetensors does not know: its error at load is one line too."""
+    rc = _run(_select(zoo.bad_dtype, zoo.data, tmp_path / "plan"))
+    _one_line(rc, capsys.readouterr().err, str(zoo.bad_dtype), "model.safetensors", "unreadable", "download")
 
 
 @pytest.mark.parametrize("case", list(THING_CASES))
@@ -240,6 +305,10 @@ def _write(path: Path, content: str | bytes) -> Path:
     return path
 
 
+def _empty(i: int, response: str = "") -> str:
+    return json.dumps({"prompt": f"def add_{i}(x):", "response": response})
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir()
     return path
@@ -276,6 +345,21 @@ DATA_CASES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "unknown-extension": (lambda p: _write(p / "d.csv", "prompt,response\na,b\n"), ("'.csv'", ".jsonl")),
     "missing-file": (lambda p: p / "nope.jsonl", ("no such file", "nope.jsonl")),
     "corrupt-parquet": (lambda p: _write(p / "d.parquet", b"PAR1 this is not parquet at all"), ("d.parquet",)),
+    # issue 25, item 2: every answer empty (was exit 0 and a plan of examples with nothing to learn)
+    "every-response-empty": (lambda p: _lines_file(p / "d.jsonl", *(_empty(i) for i in range(7)), "", _empty(7)),
+                             ("d.jsonl", "all 8 examples", "empty 'response'", "lines 1, 2, 3, 4, 5, ...")),
+    "every-response-blank": (lambda p: _lines_file(p / "d.jsonl", _empty(0, " \n\t"), _empty(1, "\n")),
+                             ("d.jsonl", "all 2 examples", "lines 1, 2)")),
+    "only-example-empty": (lambda p: _lines_file(p / "d.jsonl", "", _empty(0)),
+                           ("d.jsonl", "the only example", "line 2)")),
+    "every-output-empty-alpaca": (
+        lambda p: _write(p / "d.json", json.dumps([{"instruction": "add", "input": "1 2", "output": ""}] * 3)),
+        ("d.json", "all 3 examples", "empty 'output'", "examples 0, 1, 2")),
+    "every-completion-empty": (lambda p: _lines_file(p / "d.jsonl", '{"prompt": "p", "completion": ""}'),
+                               ("d.jsonl", "empty 'completion'")),
+    "every-assistant-turn-empty": (lambda p: _lines_file(p / "d.jsonl", *[json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]})] * 2),
+        ("d.jsonl", "all 2 examples", "only empty assistant turns")),
 }
 
 

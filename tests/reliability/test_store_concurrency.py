@@ -138,7 +138,7 @@ FEATURIZE = MODEL_AND_DATA + textwrap.dedent(
         original(self, index, *args, **kwargs)
         computed.append(index)
     FeatureStore.write_shard = write_shard
-    feat = GradientFeaturizer(TinyLM(), layers="lm_head", dim=(4, 4))
+    feat = GradientFeaturizer(TinyLM(), features="lm_head", dim=(4, 4))
     while not os.path.exists(go):
         time.sleep(0.005)
     out = feat.featurize(data, store=FeatureStore(store_dir, shard_size=8), batch_tokens=64, progress=False)
@@ -186,7 +186,7 @@ def test_two_featurizing_runs_on_one_store_both_finish_and_compute_every_shard_o
     try:
         ns: dict = {}
         exec(MODEL_AND_DATA, ns)
-        expected = GradientFeaturizer(ns["TinyLM"](), layers="lm_head", dim=(4, 4)).featurize(
+        expected = GradientFeaturizer(ns["TinyLM"](), features="lm_head", dim=(4, 4)).featurize(
             ns["data"], shard_size=8, batch_tokens=64, progress=False)
     finally:
         torch.set_num_threads(threads)

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.allocation import allocate, balance_stats, visit_order
+from clusterlm.allocation import allocate, balance_stats, selection_weights, visit_order
 from clusterlm.budget import resolve_budget
 from clusterlm.data import fingerprint, lengths_of
-from clusterlm.plan import Plan, selection_weights
+from clusterlm.plan import Plan
 
 __all__ = ["STREAM_RANDOM", "budget_count", "check_seed", "check_world_size", "make_plan", "plan_from_selection"]
 

@@ -11,14 +11,21 @@ process. Their plans are built by :mod:`clusterlm.baselines._plans`.
 :func:`example_losses` runs forwards only, on batches of examples of similar length (sorted by length,
 cut at ``batch_tokens`` padded tokens) so little compute goes to padding; the loss is
 :func:`clusterlm.loss.per_example_loss` (mean next-token cross entropy over answer tokens).
+
+Settings travel as frozen dataclasses (:class:`TrainLoopConfig` here, :class:`~clusterlm.baselines.less.LessConfig`,
+:class:`~clusterlm.baselines.s2l.S2LConfig`); :func:`apply_settings` lays a call's keyword overrides over one, so
+``train_loop(model, data, idx, epochs=2, lr=1e-3)`` and ``train_loop(model, data, idx, TrainLoopConfig(2, 1e-3))``
+are the same call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,7 +34,45 @@ from clusterlm.data import collate
 from clusterlm.engine import build_optimizer, build_scheduler, make_micro_batches, train_step
 from clusterlm.loss import per_example_loss
 
-__all__ = ["example_losses", "length_batches", "pad_id_of", "stage", "train_loop"]
+__all__ = [
+    "LOSS_BATCH_TOKENS", "MICRO_BATCH_SIZE", "TrainLoopConfig", "apply_settings", "example_losses", "length_batches",
+    "pad_id_of", "stage", "train_loop",
+]
+
+LOSS_BATCH_TOKENS = 8192  # padded tokens per loss forward (example_losses, S2L's trajectories)
+MICRO_BATCH_SIZE = 8  # examples per optimizer step of the baselines' training (train_loop, S2L, LESS)
+
+S = TypeVar("S")
+
+
+def apply_settings(kind: type[S], config: S | None, overrides: Mapping[str, Any], owner: str) -> S:
+    """The settings of one call: ``config`` (None: ``kind``'s defaults) with ``overrides`` applied.
+
+    Args:
+        kind: the settings dataclass (e.g. :class:`TrainLoopConfig`).
+        config: an instance of ``kind``, or None.
+        overrides: field name -> value.
+        owner: the function the settings are for, named in the errors.
+
+    Raises:
+        TypeError: ``config`` is not a ``kind``; a name in ``overrides`` that is not a field (the message lists the
+            fields); a required field given neither by ``config`` nor by ``overrides``.
+    """
+    if config is not None and not isinstance(config, kind):
+        raise TypeError(f"{owner}: config must be a {kind.__name__} or None, got {type(config).__name__} "
+                        f"{config!r}; pass settings by keyword ({owner}(..., name=value)).")
+    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
+    unknown = sorted(set(overrides) - {f.name for f in fields})
+    if unknown:
+        raise TypeError(f"{owner}: unknown setting(s) {', '.join(unknown)}; the settings are "
+                        f"{', '.join(f.name for f in fields)} ({kind.__name__}).")
+    if config is not None:
+        return dataclasses.replace(config, **overrides) if overrides else config  # type: ignore[type-var]
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING and f.name not in overrides]
+    if missing:
+        raise TypeError(f"{owner}: missing required setting(s) {', '.join(missing)} ({kind.__name__}).")
+    return kind(**overrides)
 
 
 def pad_id_of(model: Any, pad_id: int | None) -> int:
@@ -63,7 +108,7 @@ def example_losses(
     model: torch.nn.Module,
     examples: Sequence[dict[str, np.ndarray]],
     *,
-    batch_tokens: int = 8192,
+    batch_tokens: int = LOSS_BATCH_TOKENS,
     pad_id: int | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> np.ndarray:
@@ -99,23 +144,47 @@ def example_losses(
     return out
 
 
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    """The settings of :func:`train_loop` (``epochs`` and ``lr`` are required).
+
+    Attributes:
+        epochs: passes over the training indices.
+        lr: peak learning rate.
+        micro_batch_size: examples per optimizer step.
+        warmup_ratio / schedule / weight_decay / max_grad_norm: as the trainer's options (linear warm-up over
+            ``warmup_ratio`` of the steps, then ``schedule`` decay to 0: :func:`clusterlm.engine.lr_factor`).
+        seed: order of the examples (and dropout, through a forked RNG).
+        pad_id: padding id (default the model's).
+        checkpoint_steps: after these optimizer steps (1-based) the loop's ``on_checkpoint`` callback runs.
+        autocast_dtype: e.g. ``torch.bfloat16``; None for none.
+    """
+
+    epochs: int
+    lr: float
+    micro_batch_size: int = MICRO_BATCH_SIZE
+    warmup_ratio: float = 0.03
+    schedule: str = "linear"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    pad_id: int | None = None
+    checkpoint_steps: Sequence[int] = ()
+    autocast_dtype: torch.dtype | None = None
+
+    def replace(self, **overrides: Any) -> TrainLoopConfig:
+        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
+        return apply_settings(TrainLoopConfig, self, overrides, "train_loop")
+
+
 def train_loop(
     model: torch.nn.Module,
     examples: Sequence[dict[str, np.ndarray]],
     indices: np.ndarray,
+    config: TrainLoopConfig | None = None,
     *,
-    epochs: int,
-    lr: float,
-    micro_batch_size: int = 8,
-    warmup_ratio: float = 0.03,
-    schedule: str = "linear",
-    weight_decay: float = 0.0,
-    max_grad_norm: float = 1.0,
-    seed: int = 0,
-    pad_id: int | None = None,
-    checkpoint_steps: Sequence[int] = (),
     on_checkpoint: Callable[[int, float, torch.optim.Optimizer], None] | None = None,
-    autocast_dtype: torch.dtype | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Train ``model`` in place on ``examples[indices]`` in one process (plain mean loss, AdamW).
 
@@ -127,35 +196,32 @@ def train_loop(
         model: the model to train (its trainable parameters are optimised), on its device.
         examples: indexable example dicts.
         indices: (n,) int64 which examples to train on.
-        epochs: passes over ``indices``.
-        lr: peak learning rate.
-        micro_batch_size: examples per step.
-        warmup_ratio / schedule / weight_decay / max_grad_norm: as the trainer's options.
-        seed: order of the examples (and dropout, through a forked RNG).
-        pad_id: padding id (default the model's).
-        checkpoint_steps: after these optimizer steps (1-based) ``on_checkpoint(step, mean_lr, optimizer)`` is
-            called, ``mean_lr`` = the mean learning rate of the steps since the previous checkpoint (LESS reads
-            the Adam moments from ``optimizer``).
-        on_checkpoint: the callback (e.g. per-example losses or gradients of the current model).
-        autocast_dtype: e.g. ``torch.bfloat16``; None for none.
+        config: the settings (:class:`TrainLoopConfig`); ``overrides`` (any of its fields, e.g. ``epochs=2,
+            lr=1e-3``) are applied on top; without ``config`` they must include ``epochs`` and ``lr``.
+        on_checkpoint: called as ``on_checkpoint(step, mean_lr, optimizer)`` after each of the config's
+            ``checkpoint_steps``, ``mean_lr`` = the mean learning rate of the steps since the previous checkpoint
+            (LESS reads the Adam moments from ``optimizer``; e.g. per-example losses or gradients of the model).
 
     Returns:
         ``{"steps", "optimizer" (the AdamW, holding the Adam moments), "losses" (per step), "lrs"}``.
 
     Raises:
         ValueError: empty ``indices`` or ``epochs < 1``.
+        TypeError: an unknown setting, or ``epochs`` / ``lr`` missing.
     """
+    c = apply_settings(TrainLoopConfig, config, overrides, "train_loop")
+    epochs, micro_batch_size, seed = c.epochs, c.micro_batch_size, c.seed
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0 or epochs < 1:
         raise ValueError(f"train_loop: need examples and epochs >= 1, got {len(indices)} examples, epochs={epochs}.")
-    pad = pad_id_of(model, pad_id)
+    pad = pad_id_of(model, c.pad_id)
     device = next(model.parameters()).device
-    optimizer = build_optimizer(model, lr=lr, weight_decay=weight_decay)
+    optimizer = build_optimizer(model, lr=c.lr, weight_decay=c.weight_decay)
     total = epochs * -(-len(indices) // micro_batch_size)
-    scheduler = build_scheduler(optimizer, total_steps=total, warmup=int(warmup_ratio * total), schedule=schedule)
+    scheduler = build_scheduler(optimizer, total_steps=total, warmup=int(c.warmup_ratio * total), schedule=c.schedule)
     ones = np.ones(int(max(indices.max() + 1, 1)), dtype=np.float64)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED7]))
-    marks = set(int(s) for s in checkpoint_steps)
+    marks = set(int(s) for s in c.checkpoint_steps)
     losses: list[float] = []
     lrs: list[float] = []
     since: list[float] = []
@@ -167,8 +233,8 @@ def train_loop(
             for s in range(0, len(order), micro_batch_size):
                 idx = order[s : s + micro_batch_size]
                 micro = make_micro_batches(examples, idx, ones, micro_batch_size, pad, device)
-                stats = train_step(model, optimizer, scheduler, micro, n_step=len(idx), max_grad_norm=max_grad_norm,
-                                   autocast_dtype=autocast_dtype)
+                stats = train_step(model, optimizer, scheduler, micro, n_step=len(idx),
+                                   max_grad_norm=c.max_grad_norm, autocast_dtype=c.autocast_dtype)
                 losses.append(stats["loss"])
                 lrs.append(stats["lr"])
                 since.append(stats["lr"])

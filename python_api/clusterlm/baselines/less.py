@@ -22,7 +22,7 @@ Small-scale re-implementation, step by step:
    gradient ``(D_p,)`` is multiplied by its own Rademacher matrix
    :func:`cluster_kernels.projection.random_projection` ``(D_p, dim)`` keyed by ``(seed, parameter
    name)`` and the blocks are summed (a block Johnson-Lindenstrauss projection of the concatenated
-   gradient, ``E[<Pa, Pb>] = <a, b>``); ``dim`` = 1024 by default (our LoRA gradients have ~3e4 entries
+   gradient, ``E[<Pa, Pb>] = <a, b>``); ``dim`` = :data:`LESS_DIM` = 1024 by default (our LoRA gradients have ~3e4 entries
    for the 128-wide demo model, LESS's ~1e7 for 8192).
 5. *Score* (§3.3 eq. 5-6, ``matching.py``): cosine similarity of every projected training gradient
    with every projected validation gradient, averaged over the validation examples (one target task),
@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,25 +48,70 @@ import torch
 from cluster_kernels.project_linear_grads import segment_outer_sum
 from cluster_kernels.projection import random_projection
 from clusterlm.baselines._plans import budget_count, make_plan
-from clusterlm.baselines._training import length_batches, pad_id_of, stage, train_loop
+from clusterlm.baselines._training import (
+    MICRO_BATCH_SIZE,
+    TrainLoopConfig,
+    apply_settings,
+    length_batches,
+    pad_id_of,
+    stage,
+    train_loop,
+)
 from clusterlm.data import collate
 from clusterlm.loss import per_example_loss
 from clusterlm.plan import Plan
 
 __all__ = [
-    "DEFAULT_DIM", "adam_precondition", "less_plan", "less_scores", "lora_gradient_features", "lora_model",
-    "lora_params",
+    "LESS_BATCH_TOKENS", "LESS_DIM", "LESS_TARGETS", "LessConfig", "adam_precondition", "less_plan", "less_scores",
+    "lora_gradient_features", "lora_model", "lora_params",
 ]
 
-DEFAULT_DIM = 1024
+LESS_DIM = 1024  # LESS's projected gradient dimension (not the selection's feature size, clusterlm.features)
+LESS_BATCH_TOKENS = 4096  # padded tokens per LESS gradient pass
 LESS_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 _STREAM_LESS = 0x1E55
 
 
-def lora_model(model: torch.nn.Module, *, r: int = 8, alpha: float | None = None, dropout: float = 0.1,
-               targets: str = LESS_TARGETS, seed: int = 0) -> torch.nn.Module:
+@dataclass(frozen=True)
+class LessConfig:
+    """The settings of :func:`less_plan` (defaults: LESS's where the paper gives them, else this small scale's).
+
+    Attributes:
+        seed: warm-up sample, order, LoRA initialisation and projections.
+        warmup_fraction / warmup_epochs / lr / micro_batch_size: the warm-up (LESS: 5 %, 4 epochs, 2e-5).
+        lora_r / lora_alpha / lora_dropout / lora_targets: the LoRA (alpha default ``4 r``).
+        dim: projected gradient dimension (:data:`LESS_DIM`).
+        batch_tokens: padded tokens per gradient pass.
+        token_balance: the random baseline's allocation option.
+    """
+
+    seed: int = 0
+    warmup_fraction: float = 0.05
+    warmup_epochs: int = 4
+    lr: float = 2e-5
+    lora_r: int = 8
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.1
+    lora_targets: str = LESS_TARGETS
+    micro_batch_size: int = MICRO_BATCH_SIZE
+    dim: int = LESS_DIM
+    batch_tokens: int = LESS_BATCH_TOKENS
+    token_balance: bool = True
+
+    def replace(self, **overrides: Any) -> LessConfig:
+        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
+        return apply_settings(LessConfig, self, overrides, "less_plan")
+
+    def warmup(self, checkpoint_steps: Sequence[int]) -> TrainLoopConfig:
+        """The warm-up's :func:`~clusterlm.baselines._training.train_loop` settings."""
+        return TrainLoopConfig(epochs=self.warmup_epochs, lr=self.lr, micro_batch_size=self.micro_batch_size,
+                               seed=self.seed, checkpoint_steps=tuple(checkpoint_steps))
+
+
+def lora_model(model: torch.nn.Module, *, r: int = LessConfig.lora_r, alpha: float | None = None,
+               dropout: float = LessConfig.lora_dropout, targets: str = LESS_TARGETS, seed: int = 0) -> torch.nn.Module:
     """A PEFT LoRA copy of ``model`` (``model`` itself is not changed).
 
     Raises:
@@ -126,10 +172,10 @@ def lora_gradient_features(
     peft_model: torch.nn.Module,
     examples: Sequence[dict[str, np.ndarray]],
     *,
-    dim: int = DEFAULT_DIM,
+    dim: int = LESS_DIM,
     seed: int = 0,
     adam_state: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    batch_tokens: int = 4096,
+    batch_tokens: int = LESS_BATCH_TOKENS,
     pad_id: int | None = None,
     projections: dict[str, torch.Tensor] | None = None,
 ) -> np.ndarray:
@@ -212,21 +258,11 @@ def less_plan(
     world_size: int,
     ratio: float | None = None,
     budget: int | None = None,
+    config: LessConfig | None = None,
     *,
     validation: Sequence[dict[str, np.ndarray]],
-    seed: int = 0,
-    warmup_fraction: float = 0.05,
-    warmup_epochs: int = 4,
-    lr: float = 2e-5,
-    lora_r: int = 8,
-    lora_alpha: float | None = None,
-    lora_dropout: float = 0.1,
-    lora_targets: str = LESS_TARGETS,
-    micro_batch_size: int = 8,
-    dim: int = DEFAULT_DIM,
-    batch_tokens: int = 4096,
-    token_balance: bool = True,
     model_id: str = "",
+    **overrides: Any,
 ) -> Plan:
     """The LESS selection (module docstring), as a plan.
 
@@ -235,13 +271,9 @@ def less_plan(
         dataset: tokenised training examples.
         world_size: ranks K.
         ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
+        config: the settings (:class:`LessConfig`); ``overrides`` (any of its fields, e.g. ``lr=1e-3, dim=256``)
+            are applied on top.
         validation: a few tokenised examples of the target distribution.
-        seed: warm-up sample, order, LoRA initialisation and projections.
-        warmup_fraction / warmup_epochs / lr / micro_batch_size: the warm-up (LESS: 5 %, 4 epochs, 2e-5).
-        lora_r / lora_alpha / lora_dropout / lora_targets: the LoRA (alpha default ``4 r``).
-        dim: projected gradient dimension.
-        batch_tokens: padded tokens per gradient pass.
-        token_balance: the random baseline's allocation option.
         model_id: recorded in the plan.
 
     Returns:
@@ -250,23 +282,26 @@ def less_plan(
 
     Raises:
         ValueError: bad budget / world size, an empty validation set, a bad ``warmup_fraction``.
+        TypeError: an unknown setting (the message lists the settings).
     """
+    c = apply_settings(LessConfig, config, overrides, "less_plan")
+    seed, dim, batch_tokens = c.seed, c.dim, c.batch_tokens
     t0 = time.perf_counter()
     n = len(dataset)
     count, stats = budget_count(n, world_size, ratio, budget, "less_plan")
     if len(validation) == 0:
         raise ValueError("less_plan: validation must hold at least one example of the target distribution.")
-    if not 0 < warmup_fraction <= 1:
-        raise ValueError(f"less_plan: warmup_fraction must be in (0, 1], got {warmup_fraction!r}; LESS uses 0.05.")
+    if not 0 < c.warmup_fraction <= 1:
+        raise ValueError(f"less_plan: warmup_fraction must be in (0, 1], got {c.warmup_fraction!r}; LESS uses 0.05.")
     timings: dict[str, float] = {}
     with stage(timings, "warmup"):
-        peft_model = lora_model(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, targets=lora_targets,
-                                seed=seed)
+        peft_model = lora_model(model, r=c.lora_r, alpha=c.lora_alpha, dropout=c.lora_dropout,
+                                targets=c.lora_targets, seed=seed)
     rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_LESS]))
-    n_warm = max(1, round(warmup_fraction * n))
+    n_warm = max(1, round(c.warmup_fraction * n))
     warm = np.sort(rng.choice(n, size=n_warm, replace=False)).astype(np.int64)
-    steps_per_epoch = -(-n_warm // micro_batch_size)
-    marks = [steps_per_epoch * (e + 1) for e in range(warmup_epochs)]
+    steps_per_epoch = -(-n_warm // c.micro_batch_size)
+    marks = [steps_per_epoch * (e + 1) for e in range(c.warmup_epochs)]
     names = {id(p): name for name, p in peft_model.named_parameters()}
     projections: dict[str, torch.Tensor] = {}
     train_feats: list[np.ndarray] = []
@@ -285,8 +320,7 @@ def less_plan(
         lr_weights.append(mean_lr)
 
     t_warm = time.perf_counter()
-    train_loop(peft_model, dataset, warm, epochs=warmup_epochs, lr=lr, micro_batch_size=micro_batch_size, seed=seed,
-               checkpoint_steps=marks, on_checkpoint=checkpoint)
+    train_loop(peft_model, dataset, warm, c.warmup(marks), on_checkpoint=checkpoint)
     timings["warmup"] += time.perf_counter() - t_warm - timings.get("train_gradients", 0.0) - timings.get(
         "val_gradients", 0.0)
     with stage(timings, "score"):
@@ -295,11 +329,11 @@ def less_plan(
         selected = np.sort(order[:count]).astype(np.int64)
     stats.update({"checkpoint_weights": weights.tolist(), "warmup_examples": int(n_warm),
                   "score_selected_min": float(scores[selected].min()), "score_max": float(scores.max())})
-    config = {"method": "less", "ratio": None if ratio is None else float(ratio),
-              "budget": None if budget is None else int(budget), "warmup_fraction": float(warmup_fraction),
-              "warmup_epochs": int(warmup_epochs), "lr": float(lr), "lora_r": int(lora_r),
-              "lora_alpha": float(lora_alpha if lora_alpha is not None else 4 * lora_r),
-              "lora_targets": lora_targets, "dim": int(dim), "n_validation": len(validation),
+    record = {"method": "less", "ratio": None if ratio is None else float(ratio),
+              "budget": None if budget is None else int(budget), "warmup_fraction": float(c.warmup_fraction),
+              "warmup_epochs": int(c.warmup_epochs), "lr": float(c.lr), "lora_r": int(c.lora_r),
+              "lora_alpha": float(c.lora_alpha if c.lora_alpha is not None else 4 * c.lora_r),
+              "lora_targets": c.lora_targets, "dim": int(dim), "n_validation": len(validation),
               "source": "Xia et al., LESS, ICML 2024, sec. 3-4"}
-    return make_plan(dataset, selected, world_size, seed=seed, config=config, stats=stats, timings=timings, t0=t0,
-                     model_id=model_id, token_balance=token_balance)
+    return make_plan(dataset, selected, world_size, seed=seed, config=record, stats=stats, timings=timings, t0=t0,
+                     model_id=model_id, token_balance=c.token_balance)

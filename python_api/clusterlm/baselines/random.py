@@ -6,7 +6,7 @@
 - :func:`random_plan`: a uniform sample of the budget (DESIGN.md §6, "random"). The budget is rounded
   down to a multiple of the world size; ``stats["rounding"]`` states it when that changes the count.
 
-Both give every selected example weight 1 (:func:`clusterlm.plan.selection_weights` with a single
+Both give every selected example weight 1 (:func:`clusterlm.allocation.selection_weights` with a single
 pseudo-cluster), so ``mean_b(w_b * loss_b)`` is the plain mean loss and DDP's gradient average is the
 mean gradient of the sample. There is no clustering: ``cluster_labels`` are -1, ``cluster_sizes`` is
 empty and ``distances`` are nan.

@@ -1,0 +1,277 @@
+"""One ``clusterlm select`` run, stage by stage: load -> features (store, resume) -> cluster -> plan -> save/report.
+
+The same route for one process and for ``N`` processes (:class:`SelectJob` ``nproc``, or a launch by hand with
+``torchrun --nproc-per-node N -m clusterlm select ARGS``)::
+
+    job = SelectJob(model="tiny-llama", data="train.jsonl", out="plan/", config=SelectConfig(world_size=2, ratio=0.31))
+    plan = run_select(job)
+
+1. check: every setting (:meth:`clusterlm.SelectConfig.check`), the data file and the output directories,
+   before any model or data loads;
+2. load: the data file is read before the model (a bad file fails fast), then the model on its device and
+   dtype (:func:`clusterlm.models.load_model`), then the tokenised data; the settings are resolved against
+   the data (:meth:`clusterlm.SelectConfig.resolve`) before any feature is computed;
+3. features: into ``OUT/features`` (or ``feature_store``), resumable; with ``N`` processes each featurizes
+   its shards (:func:`clusterlm.distributed.featurize_sharded`);
+4. cluster and pick: :func:`clusterlm.select.select_from_features`, with the distributed K-means
+   (:class:`clusterlm.distributed.DistributedClustering`) under ``N`` processes; the plan carries its data
+   record from the start;
+5. save: ``plan.json`` / ``plan.npz`` and ``report.png`` (rank 0).
+
+With ``nproc > 1`` and no process group yet, :func:`run_select` starts the processes itself through torch's
+launcher (:func:`clusterlm.launch.spawn`, running ``python -m clusterlm select``) and returns the plan rank 0
+wrote. The plan equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clusterlm._io import atomic_write_json, storage_errno, storage_error
+from clusterlm.config import ResolvedSelection, SelectConfig
+from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
+from clusterlm.distributed import DistributedClustering, featurize_sharded
+from clusterlm.features import DEFAULT_BATCH_TOKENS
+from clusterlm.launch import DistInfo, barrier, init_distributed, spawn, strip_options, under_torchrun
+from clusterlm.models import load_model, resolve_device
+from clusterlm.plan import Plan
+from clusterlm.report import draw_report, save_report_data
+from clusterlm.select import build_featurizer, featurizer_record, select_from_features
+from clusterlm.store import FeatureStore
+
+__all__ = ["STORE_KEY", "SelectJob", "SpawnFailed", "run_select", "writable_dir"]
+
+STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
+SELECT_ENTRY = "clusterlm"  # `python -m clusterlm select ARGS` on every rank (the package entry: no runpy warning)
+
+
+class SpawnFailed(Exception):
+    """The spawned selection processes failed with ``code``; the failing rank's line is printed already."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SelectJob:
+    """One selection run: inputs, outputs and the selection settings.
+
+    Attributes:
+        model: built-in name, a ``.gguf`` file, a local Hugging Face directory or a cached hub id.
+        data: the training data file (``.jsonl`` / ``.json`` / ``.parquet``).
+        out: directory for ``plan.json``, ``plan.npz``, ``report.png`` (and ``features/``).
+        config: the selection settings.
+        max_length: truncate examples to this many tokens.
+        chat_template: ``"auto"`` | ``"on"`` | ``"off"``: render prompt/response data through the chat template.
+        feature_store: keep the features there instead of ``OUT/features``.
+        progress: progress bars and stage lines.
+        device: where the model and the features run: ``"auto"`` (CUDA when present, ``cuda:LOCAL_RANK`` under
+            torchrun), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (:func:`clusterlm.models.resolve_device`).
+        dtype: the weights' dtype: ``"auto"`` (bfloat16 on a CUDA device that supports it, else float32),
+            ``"float32"``, ``"bfloat16"``, ``"float16"``; loaded straight onto the device in it.
+        nproc: selection processes on this machine (> 1: sharded features and distributed K-means).
+        argv: the ``clusterlm select`` arguments, for starting ``nproc`` processes.
+        debug: the ranks of a spawned run print tracebacks too.
+    """
+
+    model: str
+    data: str
+    out: Path
+    config: SelectConfig
+    max_length: int = DEFAULT_MAX_LENGTH
+    chat_template: str = "auto"
+    feature_store: str | None = None
+    progress: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    nproc: int = 1
+    argv: tuple[str, ...] = field(default=())
+    debug: bool = False
+
+
+def writable_dir(path: str | os.PathLike, option: str) -> Path:
+    """``path`` as a directory this process can write into: created when missing, checked with a probe file.
+
+    Raises:
+        ValueError: ``path`` is a file, sits under a file, or cannot be created or written (one line naming
+            ``option`` and the path).
+        StorageError: the disk (or quota) is full.
+    """
+    if not str(path).strip():
+        raise ValueError(f"{option} is empty; give a directory (created when missing).")
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {p} is not a directory (it is a file); give a directory (created when missing).")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".clusterlm-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        if storage_errno(err) is not None:
+            raise storage_error(err, p) from err
+        blocker = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{option} {p} is not a directory: {blocker} is a file; give another path.") from err
+        raise ValueError(
+            f"{option} {p} is not writable ({err.strerror or err}); give a directory you can write to."
+        ) from err
+    return p
+
+
+def check_job(job: SelectJob) -> None:
+    """Every setting and the output locations, before any model or data loads.
+
+    Raises:
+        ValueError / TypeError: a bad setting (named); FileNotFoundError: no such data file.
+    """
+    job.config.check()
+    resolve_device(job.device)  # --device cuda without CUDA: one line now, never a silent CPU run
+    if isinstance(job.data, (str, os.PathLike)) and not Path(job.data).expanduser().exists():
+        raise FileNotFoundError(f"select: --data {job.data}: no such file or directory.")
+    writable_dir(job.out, "--out")
+    if job.feature_store:
+        writable_dir(job.feature_store, "--feature-store")
+
+
+def run_select(job: SelectJob) -> Plan:
+    """Run the selection of ``job`` (module docstring); returns the plan (also saved in ``job.out``).
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad settings or inputs, before any model work where they can
+            be told without the data.
+        SpawnFailed: the processes of an ``nproc > 1`` run failed (their line is printed already).
+    """
+    check_job(job)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return _select(job, init_distributed())
+    if job.nproc > 1:
+        return _spawn(job)
+    return _select(job, None)
+
+
+def _spawn(job: SelectJob) -> Plan:
+    if not job.argv:
+        raise ValueError("select: nproc > 1 needs the command line (use `clusterlm select ... --nproc N`).")
+    env = {"CLUSTERLM_DEBUG": "1"} if job.debug else None  # the ranks show tracebacks too
+    rc = spawn(SELECT_ENTRY, ["select", *strip_options(job.argv, ("--nproc",))], job.nproc, env=env)
+    if rc != 0:
+        raise SpawnFailed(rc)
+    return Plan.load(job.out)
+
+
+def _stage(show: bool, step: str, text: str) -> float:
+    if show:
+        print(f"[{step}] {text}", flush=True)
+    return time.perf_counter()
+
+
+def _select(job: SelectJob, info: DistInfo | None) -> Plan:
+    """The stages on this process: alone (``info`` None) or as one rank of a process group."""
+    main_rank = info is None or info.rank == 0
+    show = main_rank and job.progress
+    where = f" on {info.world_size} processes" if info else ""
+    t0 = _stage(main_rank, "1/4", f"model {job.model}{where}, device {job.device}, dtype {job.dtype}")
+    raw = read_data(job.data)  # a bad data file fails before the model loads
+    model, tokenizer, model_id = load_model(job.model, device=job.device, dtype=job.dtype)
+    data = load_data(raw, tokenizer, max_length=job.max_length, progress=show,
+                     chat_template=CHAT_TEMPLATE_MODES[job.chat_template])
+    if main_rank:
+        truncated = f", {data.n_truncated} truncated to {job.max_length} tokens" if data.n_truncated else ""
+        print(f"      data {job.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
+              f"{int(data.lengths.sum())} tokens{truncated} [{time.perf_counter() - t0:.1f} s]")
+    s = job.config.resolve(len(data), data.lengths)
+    featurizer = build_featurizer(model, s, job.config)
+    store_dir = _feature_store(job, data, model_id, s) if main_rank else None
+    if info is not None:
+        barrier()  # rank 0 has emptied a stale OUT/features
+        store_dir = _store_path(job)
+    _stage(main_rank, "2/4", f"gradient features ({s.features}) -> {store_dir}"
+           + (f", sharded over {info.world_size} processes" if info else
+              f", K-means, world size {job.config.world_size}"))
+    t1 = time.perf_counter()
+    feats, cluster_fn, extra = _features(job, featurizer, data, store_dir, info, show)
+    plan = select_from_features(
+        feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
+        timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn,
+        extra_config={"features": featurizer_record(featurizer, s), **extra, "data": _data_record(job, data)},
+    )
+    if main_rank:
+        _save(job, plan, feats, s, t0 if info else None)
+    if info is not None:
+        barrier()
+    return plan
+
+
+def _features(job: SelectJob, featurizer: Any, data: Any, store_dir: Path, info: DistInfo | None,
+              show: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """The features of all examples, the clustering to use (None: in this process) and what the plan records."""
+    batch_tokens = job.config.batch_tokens or DEFAULT_BATCH_TOKENS
+    if info is None:
+        return featurizer.featurize(data, batch_tokens=batch_tokens, store=store_dir, progress=show), None, {}
+    part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
+                             batch_tokens=batch_tokens, progress=show)
+    clustering = DistributedClustering(part.local(), n_total=len(data), progress=show)
+    return FeatureStore(store_dir).features(), clustering, {"selection_processes": info.world_size}
+
+
+def _save(job: SelectJob, plan: Plan, feats: Any, s: ResolvedSelection, t_start: float | None) -> None:
+    out = Path(job.out)
+    _stage(True, "3/4", f"writing {out}/plan.json, plan.npz")
+    plan.save(out)
+    save_report_data(out, np.asarray(feats), seed=s.seed)
+    _stage(True, "4/4", f"drawing {out}/report.png")
+    draw_report(out, plan)
+    print()
+    print(plan.summary())
+    took = f"  [{time.perf_counter() - t_start:.1f} s]" if t_start is not None else ""
+    print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}{took}")
+
+
+def _store_path(job: SelectJob) -> Path:
+    return Path(job.feature_store) if job.feature_store else Path(job.out) / "features"
+
+
+def _feature_store(job: SelectJob, data: Any, model_id: str, s: ResolvedSelection) -> Path:
+    """``feature_store``, else ``OUT/features``: emptied first when it holds features of other data or settings.
+
+    A failure after the features are computed loses nothing (the rerun resumes from the store); a rerun with
+    another model, data, feature choice or seed into the same OUT recomputes instead of failing on the store.
+    """
+    store = _store_path(job)
+    if job.feature_store:
+        return store
+    c = job.config
+    key = json.loads(json.dumps({
+        "model": model_id.rpartition("@")[2], "data": data.fingerprint(), "features": s.features, "dim": c.dim,
+        "seed": s.seed, "preset": c.preset, "feature_tokens": c.feature_tokens,
+    }))
+    try:
+        found = json.loads((store / STORE_KEY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        found = None
+    if found == key:
+        return store
+    if store.exists():
+        print(f"      features: {store} holds features of other data or settings; computing them again", flush=True)
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(store / STORE_KEY, key)
+    return store
+
+
+def _data_record(job: SelectJob, data: Any) -> dict[str, Any]:
+    """What the plan records about its data: ``train`` takes max_length from it; with rendering, a mismatch of
+    ``--max-length`` or ``--chat-template`` can be named instead of a differing content hash."""
+    return {"source": str(job.data), "max_length": job.max_length, "n_truncated": data.n_truncated,
+            "format": data.format, "rendering": data.rendering}
