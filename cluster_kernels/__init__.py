@@ -7,6 +7,7 @@ CUDA in the extension ``cluster_kernels._C``, Triton for CUDA tensors) and one d
 Importing this package never fails because Triton, a GPU or ``_C`` is missing.
 """
 
+from cluster_kernels._selfcheck import backends_used
 from cluster_kernels.distributed import distributed_capacity_kmeans
 from cluster_kernels.kmeans import KMeansResult, assign_with_capacity, capacity_kmeans
 from cluster_kernels.lm_head_features import IGNORE_INDEX, lm_head_features, lm_head_features_ref
@@ -18,6 +19,7 @@ __all__ = [
     "KMeansResult",
     "PROJECTION_KINDS",
     "assign_with_capacity",
+    "backends_used",
     "capacity_kmeans",
     "distributed_capacity_kmeans",
     "lm_head_features",

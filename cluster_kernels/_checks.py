@@ -61,6 +61,7 @@ def size_bounds(value: Any, k: int, n: int, name: str, op: str, default: int) ->
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
+    _check_int64_range(arr, value, name, n, op)
     if arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and np.all(arr == np.round(arr))):
         raise TypeError(f"{op}: {name} must be an int or a sequence of ints, got {value!r}.")
     arr = arr.astype(np.int64)
@@ -71,6 +72,23 @@ def size_bounds(value: Any, k: int, n: int, name: str, op: str, default: int) ->
     if (arr < 0).any():
         raise ValueError(f"{op}: {name} must be >= 0, got {arr.tolist()}.")
     return arr
+
+
+def _check_int64_range(arr: np.ndarray, value: Any, name: str, n: int, op: str) -> None:
+    """Refuse integers (or integral floats) a bound cannot hold: outside int64, as numpy stores the bounds."""
+    if arr.dtype.kind == "O":  # Python ints beyond int64 (numpy keeps them as objects)
+        entries = [v for v in arr.ravel().tolist() if isinstance(v, int) and not isinstance(v, bool)]
+    elif arr.dtype.kind in "fu":
+        entries = [v for v in arr.ravel().tolist() if isinstance(v, (int, float)) and math.isfinite(v)]
+    else:
+        return
+    bad = [v for v in entries if not -(2**63) <= v < 2**63]
+    if bad:
+        shown = int(bad[0]) if float(bad[0]).is_integer() else bad[0]
+        raise ValueError(
+            f"{op}: {name} = {shown} is out of range: a bound must be an int in [0, 2**63 - 1] (any bound above "
+            f"n = {n} acts as n); pass {name}=None for no bound."
+        )
 
 
 def bounds(min_size: Any, max_size: Any, k: int, n: int, op: str) -> tuple[np.ndarray, np.ndarray]:

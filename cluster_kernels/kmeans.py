@@ -606,7 +606,7 @@ def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int
 # --------------------------------------------------------------------------------------------------
 
 
-def _resolve(op: str, backend: str, device: torch.device) -> str:
+def _resolve(op: str, backend: str, device: torch.device, given_numpy: bool = False) -> str:
     _backend.check_backend_name(op, backend)
     if backend == "triton":
         raise _backend.missing_backend_error(
@@ -629,8 +629,12 @@ def _resolve(op: str, backend: str, device: torch.device) -> str:
             raise ValueError(f"{op}: backend='cpu' needs a CPU input, got a tensor on {device}; move it with .cpu().")
         _backend.require_cpu_native(op)
     if backend == "cuda":
+        if given_numpy:
+            raise ValueError(f"{op}: backend='cuda' needs a CUDA tensor, got a numpy array; pass a CUDA torch tensor "
+                             "(torch.from_numpy(x).cuda()) or use backend='cpu'.")
         if device.type != "cuda":
-            raise ValueError(f"{op}: backend='cuda' needs a CUDA tensor, got one on {device}; move it with .cuda().")
+            raise ValueError(f"{op}: backend='cuda' needs a CUDA tensor, got a tensor on {device}; move it with "
+                             ".cuda() or use backend='cpu'.")
         _backend.require_cuda_native(op)
     return backend
 
@@ -727,7 +731,7 @@ def capacity_kmeans(
         if tuple(init_t.shape) != (k, d):
             raise ValueError(f"{op}: init must have shape (k, d) = ({k}, {d}), got {tuple(init_t.shape)}.")
     spherical = metric == "cosine"
-    choice = _resolve(op, backend, t.device)
+    choice = _resolve(op, backend, t.device, isinstance(x, np.ndarray))
     scale, init_t = _working_frame(op, t, init_t, spherical, "x" if init_t is None else "x (with init)")
     ts = scale.down(t)
     if choice != "torch":
@@ -810,7 +814,7 @@ def assign_with_capacity(
     k = check_k(c.shape[0], n, op)
     check_metric(metric, op)
     lo, hi = bounds(min_size, max_size, k, n, op)
-    choice = _resolve(op, backend, t.device)
+    choice = _resolve(op, backend, t.device, isinstance(x, np.ndarray))
     spherical = metric == "cosine"
     scale, c = _working_frame(op, t, c, spherical, "x (with the centroids)")
     ts = scale.down(t)

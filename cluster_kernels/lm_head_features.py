@@ -34,6 +34,7 @@ undefined); ``mode="projected"`` is a sum and gives that example a zero feature.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster_kernels._backend import has_triton, missing_backend_error, require_triton
+from cluster_kernels._selfcheck import backend_for, check_prefix, compare_features, record_backend, run_first_use
 from cluster_kernels.project_linear_grads import (
     check_cu_seqlens,
     project_linear_grads_triton,
@@ -253,6 +255,43 @@ def lm_head_features_ref(
 # Triton kernel: one vocabulary pass per block of tokens
 # --------------------------------------------------------------------------------------------------
 
+# GPU autotune configs as ((BLOCK_T, BLOCK_V, BLOCK_D, num_warps, num_stages), precision, largest BLOCK_K), plain
+# tuples so that the compile gate (tests/cluster_kernels/test_aot_compile.py) and benchmarks/ptxas_report.py read
+# them without a GPU; each is spill-free on sm_80, sm_90 and sm_100 for every key :func:`vocab_configs_for` gives it
+# (BENCHMARKS.md has the register table). 16-bit inputs ("tf32": bf16/fp16 tensor-core logits, TF32 read-out) take
+# large tiles: W is re-read once per BLOCK_T tokens. float32 inputs ("ieee") run both products on the FMA units,
+# whose operands Triton replicates across threads, so their tiles stay small, and BLOCK_K = 64 / 128 read-outs
+# (the (BLOCK_T, BLOCK_K) accumulator and (BLOCK_V, BLOCK_K) P_out tile) take the smallest ones.
+LMH_GPU_CONFIGS: tuple[tuple[tuple[int, int, int, int, int], str, int], ...] = (
+    ((128, 64, 64, 8, 3), "tf32", 128),
+    ((64, 128, 64, 8, 2), "tf32", 64),
+    ((128, 128, 64, 8, 2), "tf32", 32),
+    ((64, 64, 64, 4, 3), "tf32", 64),
+    ((64, 64, 32, 8, 2), "ieee", 32),
+    ((64, 32, 16, 4, 2), "ieee", 128),
+    ((32, 64, 16, 4, 2), "ieee", 32),
+    ((32, 32, 32, 4, 2), "ieee", 128),
+)
+
+
+def lm_head_block_k(k_o: int) -> int:
+    """The read-out block of the vocabulary kernel for ``k_o`` projected rows: 16, 32, 64 or 128."""
+    return max(16, min(128, 1 << (k_o - 1).bit_length()))
+
+
+def vocab_configs_for(precision: str, block_k: int, has_proj: bool) -> list[tuple[int, int, int, int, int]]:
+    """The GPU configs the autotuner tries for one key of the vocabulary kernel (module comment above)."""
+    return [cfg for cfg, prec, max_k in LMH_GPU_CONFIGS if prec == precision and (not has_proj or block_k <= max_k)]
+
+
+def prune_vocab_configs(configs: list, named_args: dict, **kwargs: object) -> list:
+    """Triton ``early_config_prune`` hook: keep the configs :func:`vocab_configs_for` allows for this key."""
+    keep = set(vocab_configs_for(str(kwargs["PRECISION"]), int(kwargs["BLOCK_K"]), bool(kwargs["HAS_PROJ"])))
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_T"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages) in keep]
+    return kept or list(configs)  # the interpreter's single config is not in the GPU list
+
+
 if has_triton():
     import triton
     import triton.language as tl
@@ -260,19 +299,18 @@ if has_triton():
     if _INTERPRET:
         _LMH_CONFIGS = [triton.Config({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_D": 32}, num_warps=1)]
     else:  # pragma: no cover - GPU only
-        # Few configs: every autotune key compiles all of them. Larger token blocks re-read W fewer times;
-        # the (BLOCK_T, BLOCK_V) logits tile and the (BLOCK_T, BLOCK_K) read-out live in registers.
         _LMH_CONFIGS = [
-            triton.Config(
-                {"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_D": 64}, num_warps=4 if bt * bv <= 8192 else 8, num_stages=ns
-            )
-            for bt, bv in ((64, 64), (64, 128), (128, 64), (128, 128))
-            for ns in (2, 3)
+            triton.Config({"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_D": bd}, num_warps=nw, num_stages=ns)
+            for (bt, bv, bd, nw, ns), _, _ in LMH_GPU_CONFIGS
         ]
 
-    @triton.autotune(configs=_LMH_CONFIGS, key=["d", "V", "BLOCK_K", "HAS_PROJ", "PRECISION"])
+    @triton.autotune(
+        configs=_LMH_CONFIGS,
+        key=["d", "V", "BLOCK_K", "HAS_PROJ", "PRECISION"],
+        prune_configs_by={"early_config_prune": prune_vocab_configs},
+    )
     @triton.jit
-    def _lm_head_vocab_kernel(
+    def lm_head_vocab_kernel(
         h_ptr,
         w_ptr,
         b_ptr,
@@ -302,31 +340,36 @@ if has_triton():
         BLOCK_V: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
+        # One program: BLOCK_T tokens x BLOCK_K read-out columns, streaming W (and P_out) by BLOCK_V rows.
         pid_t = tl.program_id(0)
         pid_k = tl.program_id(1)
-        offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask_t = offs_t < n_tok
+        # 64-bit base pointers per block; 32-bit offsets inside a tile (fewer registers than 64-bit tiles).
+        t0 = pid_t.to(tl.int64) * BLOCK_T
+        rows = tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_V)
+        mask_t = rows < n_tok - t0
+        h_base = h_ptr + t0 * stride_ht
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_o
-        y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+        y = tl.load(y_ptr + t0 + rows, mask=mask_t, other=-1).to(tl.int32)  # labels < V < 2**31
         m = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
         l_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
         z_y = tl.zeros((BLOCK_T,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
         for v0 in range(0, V, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-            mask_v = offs_v < V
+            mask_v = cols < V - v0
+            w_base = w_ptr + v0.to(tl.int64) * stride_wv
             logits = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
             for d0 in range(0, d, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 mask_d = offs_d < d
                 ht = tl.load(
-                    h_ptr + offs_t[:, None] * stride_ht + offs_d[None, :] * stride_hd,
+                    h_base + rows[:, None] * stride_ht + offs_d[None, :] * stride_hd,
                     mask=mask_t[:, None] & mask_d[None, :],
                     other=0.0,
                 )
                 wt = tl.load(
-                    w_ptr + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
+                    w_base + cols[:, None] * stride_wv + offs_d[None, :] * stride_wd,
                     mask=mask_v[:, None] & mask_d[None, :],
                     other=0.0,
                 )
@@ -335,30 +378,55 @@ if has_triton():
                 else:
                     logits += tl.dot(ht.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision=PRECISION)
             if HAS_BIAS:
-                logits += tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+                logits += tl.load(b_ptr + v0 + cols, mask=mask_v, other=0.0).to(tl.float32)[None, :]
             logits = tl.where(mask_v[None, :], logits, float("-inf"))
-            z_y += tl.sum(tl.where(offs_v[None, :] == y[:, None], logits, 0.0), axis=1)
+            z_y += tl.sum(tl.where((v0 + cols)[None, :] == y[:, None], logits, 0.0), axis=1)
             m_new = tl.maximum(m, tl.max(logits, axis=1))
             alpha = tl.exp(m - m_new)
             p_exp = tl.exp(logits - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p_exp, axis=1)
             if HAS_PROJ:
                 pv = tl.load(
-                    p_ptr + offs_v[:, None] * stride_pv + offs_k[None, :] * stride_pk,
+                    p_ptr + v0.to(tl.int64) * stride_pv + cols[:, None] * stride_pv + offs_k[None, :] * stride_pk,
                     mask=mask_v[:, None] & mask_k[None, :],
                     other=0.0,
                 )
                 acc = acc * alpha[:, None] + tl.dot(p_exp, pv.to(tl.float32), input_precision=PRECISION)
             m = m_new
         if pid_k == 0:
-            tl.store(lse_ptr + offs_t, m + tl.log(l_sum), mask=mask_t)
-            tl.store(zy_ptr + offs_t, z_y, mask=mask_t)
+            tl.store(lse_ptr + t0 + rows, m + tl.log(l_sum), mask=mask_t)
+            tl.store(zy_ptr + t0 + rows, z_y, mask=mask_t)
         if HAS_PROJ:
             tl.store(
-                read_ptr + offs_t[:, None] * stride_rt + offs_k[None, :] * stride_rk,
+                read_ptr + t0 * stride_rt + rows[:, None] * stride_rt + offs_k[None, :] * stride_rk,
                 acc / l_sum[:, None],
                 mask=mask_t[:, None] & mask_k[None, :],
             )
+
+
+def vocab_pass_kernel_args(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, p_out: torch.Tensor | None,
+    lse: torch.Tensor, z_y: torch.Tensor, readout: torch.Tensor,
+) -> dict[str, object]:
+    """Every argument of the vocabulary kernel but the autotuned blocks, by name (the compile gate builds them too).
+
+    Args:
+        h: ``(T, d)``; weight: ``(V, d)``; bias: ``(V,)`` or None; y: ``(T,)`` labels; p_out: ``(V, k_o)`` float32
+            or None (``mode="paper"``); lse, z_y: ``(T,)`` float32 outputs; readout: ``(T, k_o)`` float32 output
+            (any float32 tensor when ``p_out`` is None).
+    """
+    k_o = p_out.shape[1] if p_out is not None else 1
+    p = p_out if p_out is not None else weight  # dummy pointer when HAS_PROJ is False
+    lowp = h.dtype != torch.float32
+    return {
+        "h_ptr": h, "w_ptr": weight, "b_ptr": bias if bias is not None else weight, "y_ptr": y, "p_ptr": p,
+        "lse_ptr": lse, "zy_ptr": z_y, "read_ptr": readout, "n_tok": h.shape[0], "d": h.shape[1],
+        "V": weight.shape[0], "k_o": k_o, "stride_ht": h.stride(0), "stride_hd": h.stride(1),
+        "stride_wv": weight.stride(0), "stride_wd": weight.stride(1), "stride_pv": p.stride(0),
+        "stride_pk": p.stride(1), "stride_rt": readout.stride(0), "stride_rk": readout.stride(-1),
+        "HAS_BIAS": bias is not None, "HAS_PROJ": p_out is not None, "LOWP": lowp,
+        "PRECISION": "tf32" if lowp else "ieee", "BLOCK_K": lm_head_block_k(k_o),
+    }
 
 
 def _vocab_pass_triton(
@@ -379,47 +447,18 @@ def _vocab_pass_triton(
             "move the tensors to a CUDA device (or set TRITON_INTERPRET=1 before importing cluster_kernels, "
             "for testing)",
         )
-    n_tok, d = h.shape
-    vocab = weight.shape[0]
+    n_tok = h.shape[0]
     dev = h.device
     lse = torch.empty(n_tok, dtype=torch.float32, device=dev)
     z_y = torch.empty(n_tok, dtype=torch.float32, device=dev)
     if n_tok == 0:
         return lse, z_y, (None if p_out is None else torch.empty(0, p_out.shape[1], dtype=torch.float32, device=dev))
     k_o = p_out.shape[1] if p_out is not None else 1
-    block_k = max(16, min(128, 1 << (k_o - 1).bit_length()))
     readout = torch.empty(n_tok, k_o, dtype=torch.float32, device=dev) if p_out is not None else lse
-    p = p_out if p_out is not None else weight  # dummy pointer when HAS_PROJ is False
-    lowp = h.dtype != torch.float32
+    args = vocab_pass_kernel_args(h, weight, bias, y, p_out, lse, z_y, readout)
     # Each k block recomputes the logits: k_o <= 128 (one block) is the intended use.
-    grid = lambda meta: (triton.cdiv(n_tok, meta["BLOCK_T"]), triton.cdiv(k_o, block_k) if p_out is not None else 1)
-    _lm_head_vocab_kernel[grid](
-        h,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        p,
-        lse,
-        z_y,
-        readout,
-        n_tok,
-        d,
-        vocab,
-        k_o,
-        h.stride(0),
-        h.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        p.stride(0),
-        p.stride(1),
-        readout.stride(0),
-        readout.stride(-1),
-        HAS_BIAS=bias is not None,
-        HAS_PROJ=p_out is not None,
-        LOWP=lowp,
-        PRECISION="tf32" if lowp else "ieee",
-        BLOCK_K=block_k,
-    )
+    n_k = triton.cdiv(k_o, args["BLOCK_K"]) if p_out is not None else 1
+    lm_head_vocab_kernel[lambda meta: (triton.cdiv(n_tok, meta["BLOCK_T"]), n_k)](**args)
     return lse, z_y, (readout if p_out is not None else None)
 
 
@@ -522,10 +561,50 @@ def lm_head_features(
     """
     cu = _check_inputs(h, weight, labels, cu_seqlens, p_in, p_out, mode, bias, token_weights, out)
     chosen = resolve_backend(_OP, backend, h.device)
-    n_ex = len(cu) - 1
     counts = _counts_per_example(labels, cu)
     if mode == "paper":
         _raise_if_empty_examples(counts)
+    compute = functools.partial(
+        _features, h, weight, labels, cu, counts, p_in=p_in, p_out=p_out, mode=mode, bias=bias,
+        token_weights=token_weights, max_chunk_elems=max_chunk_elems,
+    )
+    check = False
+    if chosen == "triton":
+        chosen, check = backend_for(_OP, h.device, h.dtype, "triton", "torch")
+    else:
+        record_backend(_OP, chosen)
+    if not check or h.shape[0] == 0:
+        return compute(chosen, out)
+    res = run_first_use(
+        _OP, h.device, h.dtype, ("triton", "torch"), lambda: compute("triton", None),
+        lambda got: _verify_prefix(got, h, weight, labels, cu, p_in, p_out, mode, bias, token_weights),
+        lambda: compute("torch", None),
+    )
+    if out is None:
+        return res
+    out += res.to(out.dtype)
+    return out
+
+
+def _verify_prefix(got: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu: np.ndarray,
+                   p_in: torch.Tensor | None, p_out: torch.Tensor | None, mode: str, bias: torch.Tensor | None,
+                   token_weights: torch.Tensor | None) -> str | None:
+    """The first-use check: the kernel's features of the first examples against the torch path's."""
+    j = check_prefix(cu)
+    n = int(cu[j])
+    ref = lm_head_features(
+        h[:n], weight, labels[:n], torch.from_numpy(cu[: j + 1].copy()), p_in=p_in, p_out=p_out, mode=mode,
+        bias=bias, token_weights=None if token_weights is None else token_weights[:n], backend="torch",
+    )
+    return compare_features(got[:j], ref, h.dtype, "triton")
+
+
+def _features(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu: np.ndarray, counts: np.ndarray,
+              chosen: str, out: torch.Tensor | None, *, p_in: torch.Tensor | None, p_out: torch.Tensor | None,
+              mode: str, bias: torch.Tensor | None, token_weights: torch.Tensor | None,
+              max_chunk_elems: int) -> torch.Tensor:
+    """The features on the ``chosen`` backend, added to ``out`` (a new tensor when None)."""
+    n_ex = len(cu) - 1
     ct = torch.float64 if (h.dtype == torch.float64 and chosen == "torch") else torch.float32
     if out is None:
         shape = (n_ex, h.shape[1]) if mode == "paper" else (n_ex, p_out.shape[1], p_in.shape[1])

@@ -30,6 +30,7 @@ Implementations:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -43,6 +44,7 @@ from cluster_kernels._backend import (
     missing_backend_error,
     require_triton,
 )
+from cluster_kernels._selfcheck import backend_for, check_prefix, compare_features, record_backend, run_first_use
 
 __all__ = ["check_cu_seqlens", "project_linear_grads", "project_linear_grads_ref"]
 
@@ -204,6 +206,40 @@ def _work_items(cu: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
     return example, slot, start.astype(np.int64), stop.astype(np.int64), max_slots
 
 
+# GPU autotune configs as (BLOCK_T, BLOCK_D, num_warps, num_stages), kept as plain tuples so that the compile gate
+# (tests/cluster_kernels/test_aot_compile.py) and benchmarks/ptxas_report.py can read them without a GPU. Each one
+# is spill-free on sm_80, sm_90 and sm_100 for every key where :func:`project_configs_for` keeps it (the gate
+# compiles them all; BENCHMARKS.md has the register table). IEEE fp32 dots (float32 inputs) run on the FMA units,
+# whose operands Triton replicates across threads: with a 64 x 64 block they need 8 warps and BLOCK_T <= 32. TF32
+# dots (16-bit inputs) use the tensor cores and afford 128-token tiles, which read P_in / P_out half as often.
+PLG_GPU_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (128, 32, 8, 2),
+    (64, 64, 8, 2),
+    (64, 32, 4, 3),
+    (32, 32, 8, 2),
+    (16, 64, 8, 3),
+)
+
+
+def project_configs_for(precision: str, block_ko: int, block_ki: int) -> list[tuple[int, int, int, int]]:
+    """The GPU configs the autotuner tries for one key: those that fit the registers (module comment above)."""
+    big = block_ko * block_ki >= 64 * 64
+    if precision == "ieee":
+        if big:
+            return [c for c in PLG_GPU_CONFIGS if c[0] <= 32 and c[2] == 8]
+        if block_ko * block_ki > 16 * 16:
+            return [c for c in PLG_GPU_CONFIGS if c[0] <= 64 and c[2] == 8]
+        return [c for c in PLG_GPU_CONFIGS if c[0] <= 64]
+    return [c for c in PLG_GPU_CONFIGS if c[2] == 8 or not big]
+
+
+def prune_project_configs(configs: list, named_args: dict, **kwargs: object) -> list:
+    """Triton ``early_config_prune`` hook: keep the configs :func:`project_configs_for` allows for this key."""
+    keep = set(project_configs_for(str(kwargs["PRECISION"]), int(kwargs["BLOCK_KO"]), int(kwargs["BLOCK_KI"])))
+    kept = [c for c in configs if (c.kwargs["BLOCK_T"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages) in keep]
+    return kept or list(configs)  # the interpreter's single config is not in the GPU list
+
+
 if has_triton():
     import triton
     import triton.language as tl
@@ -212,18 +248,18 @@ if has_triton():
         # The interpreter runs every config of an autotuner: keep one small one.
         _PLG_CONFIGS = [triton.Config({"BLOCK_T": 16, "BLOCK_D": 32}, num_warps=1)]
     else:  # pragma: no cover - GPU only
-        # Few configs: every autotune key compiles all of them. The (BLOCK_T, k) tiles of P^T x and P^T g and
-        # the (k_o, k_i) accumulator live in registers, so BLOCK_T stays <= 64.
         _PLG_CONFIGS = [
-            triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=4, num_stages=ns)
-            for bt in (32, 64)
-            for bd in (32, 64)
-            for ns in (2, 3)
+            triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=nw, num_stages=ns)
+            for bt, bd, nw, ns in PLG_GPU_CONFIGS
         ]
 
-    @triton.autotune(configs=_PLG_CONFIGS, key=["d_in", "d_out", "BLOCK_KO", "BLOCK_KI", "PRECISION"])
+    @triton.autotune(
+        configs=_PLG_CONFIGS,
+        key=["d_in", "d_out", "BLOCK_KO", "BLOCK_KI", "PRECISION"],
+        prune_configs_by={"early_config_prune": prune_project_configs},
+    )
     @triton.jit
-    def _project_linear_grads_kernel(
+    def project_linear_grads_kernel(
         x_ptr,
         g_ptr,
         w_ptr,
@@ -263,23 +299,25 @@ if has_triton():
         example = tl.load(item_example_ptr + item).to(tl.int64)
         slot = tl.load(item_slot_ptr + item).to(tl.int64)
         start = tl.load(item_start_ptr + item).to(tl.int64)
-        stop = tl.load(item_stop_ptr + item).to(tl.int64)
+        # An item holds few tokens: 32-bit offsets inside it, one 64-bit base pointer per tensor.
+        n_item = (tl.load(item_stop_ptr + item).to(tl.int64) - start).to(tl.int32)
+        x_base = x_ptr + start * stride_xt
+        g_base = g_ptr + start * stride_gt
         offs_o = pid_o * BLOCK_KO + tl.arange(0, BLOCK_KO)
         offs_i = pid_i * BLOCK_KI + tl.arange(0, BLOCK_KI)
         mask_o = offs_o < k_o
         mask_i = offs_i < k_i
+        rows = tl.arange(0, BLOCK_T)
         acc = tl.zeros((BLOCK_KO, BLOCK_KI), dtype=tl.float32)
-        # A 32-bit trip count (an item holds few tokens); token offsets themselves stay 64-bit.
-        n_steps = ((stop - start + BLOCK_T - 1) // BLOCK_T).to(tl.int32)
-        for step in range(0, n_steps):
-            offs_t = start + step * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-            mask_t = offs_t < stop
+        for t0 in range(0, n_item, BLOCK_T):
+            offs_t = t0 + rows
+            mask_t = offs_t < n_item
             xp = tl.zeros((BLOCK_T, BLOCK_KI), dtype=tl.float32)
             for d0 in range(0, d_in, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 mask_d = offs_d < d_in
                 xt = tl.load(
-                    x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd,
+                    x_base + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd,
                     mask=mask_t[:, None] & mask_d[None, :],
                     other=0.0,
                 )
@@ -294,7 +332,7 @@ if has_triton():
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 mask_d = offs_d < d_out
                 gt = tl.load(
-                    g_ptr + offs_t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+                    g_base + offs_t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
                     mask=mask_t[:, None] & mask_d[None, :],
                     other=0.0,
                 )
@@ -305,7 +343,7 @@ if has_triton():
                 )
                 gp += tl.dot(gt.to(tl.float32), pt.to(tl.float32), input_precision=PRECISION)
             if HAS_WEIGHTS:
-                wt = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+                wt = tl.load(w_ptr + start + offs_t, mask=mask_t, other=0.0).to(tl.float32)
                 xp = xp * wt[:, None]
             acc += tl.dot(tl.trans(gp), xp, input_precision=PRECISION)
         dst = (
@@ -318,8 +356,8 @@ if has_triton():
         tl.store(dst, acc, mask=mask_o[:, None] & mask_i[None, :])
 
 
-def _block_k(k: int) -> int:
-    # tl.dot needs every dimension >= 16; 64 keeps the (k_o, k_i) accumulator in registers.
+def block_k(k: int) -> int:
+    """The kernel's block over a projected dimension ``k``: 16, 32 or 64 (``tl.dot`` needs >= 16)."""
     return max(16, min(64, 1 << (k - 1).bit_length()))
 
 
@@ -329,6 +367,39 @@ def _default_chunk(n_tok: int, device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count  # pragma: no cover - GPU only
     # Enough items to fill every SM a few times, but long enough to amortise the partial-sum store.
     return int(min(4096, max(64, 64 * math.ceil(n_tok / (4 * sms) / 64))))  # pragma: no cover
+
+
+def project_kernel_args(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    p_in32: torch.Tensor,
+    p_out32: torch.Tensor,
+    partial: torch.Tensor,
+    items: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> dict[str, object]:
+    """Every argument of the kernel but the autotuned block sizes, by name (the compile gate builds them too).
+
+    Args:
+        x, g: ``(N_tok, d_in)`` / ``(N_tok, d_out)`` inputs; token_weights: ``(N_tok,)`` or None.
+        p_in32, p_out32: float32 projections. partial: ``(B, slots, k_o, k_i)`` float32 partial sums.
+        items: the work items' example, slot, start and stop (int64 device tensors).
+    """
+    lowp = x.dtype != torch.float32  # 16-bit inputs already carry ~1e-3 error: TF32 products are enough
+    names = ("item_example_ptr", "item_slot_ptr", "item_start_ptr", "item_stop_ptr")
+    return {
+        "x_ptr": x, "g_ptr": g, "w_ptr": token_weights if token_weights is not None else x,  # dummy when unused
+        "p_in_ptr": p_in32, "p_out_ptr": p_out32, "partial_ptr": partial, **dict(zip(names, items)),
+        "d_in": x.shape[1], "d_out": g.shape[1], "k_i": p_in32.shape[1], "k_o": p_out32.shape[1],
+        "stride_xt": x.stride(0), "stride_xd": x.stride(1), "stride_gt": g.stride(0), "stride_gd": g.stride(1),
+        "stride_pi_d": p_in32.stride(0), "stride_pi_k": p_in32.stride(1),
+        "stride_po_d": p_out32.stride(0), "stride_po_k": p_out32.stride(1),
+        "stride_part_b": partial.stride(0), "stride_part_s": partial.stride(1),
+        "stride_part_o": partial.stride(2), "stride_part_i": partial.stride(3),
+        "HAS_WEIGHTS": token_weights is not None,
+        "PRECISION": "tf32" if lowp else "ieee",  # fp32 inputs keep fp32 accuracy (rel. err <= 1e-5)
+        "BLOCK_KO": block_k(p_out32.shape[1]), "BLOCK_KI": block_k(p_in32.shape[1]),
+    }
 
 
 def project_linear_grads_triton(
@@ -356,8 +427,7 @@ def project_linear_grads_triton(
             "move the tensors to a CUDA device (or set TRITON_INTERPRET=1 before importing cluster_kernels, "
             "for testing)",
         )
-    n_tok, d_in = x.shape
-    d_out = g.shape[1]
+    n_tok = x.shape[0]
     k_i, k_o = p_in.shape[1], p_out.shape[1]
     n_ex = len(cu) - 1
     if n_tok == 0 or n_ex == 0:
@@ -365,49 +435,11 @@ def project_linear_grads_triton(
     chunk = int(chunk_tokens) if chunk_tokens is not None else _default_chunk(n_tok, x.device)
     example, slot, start, stop, max_slots = _work_items(cu, chunk)
     dev = x.device
-
-    def _dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
-
     partial = torch.zeros(n_ex, max_slots, k_o, k_i, dtype=torch.float32, device=dev)
-    p_in32 = p_in.to(torch.float32)
-    p_out32 = p_out.to(torch.float32)
-    w = token_weights if token_weights is not None else x  # dummy pointer when HAS_WEIGHTS is False
-    lowp = x.dtype != torch.float32  # 16-bit inputs already carry ~1e-3 error: TF32 products are enough
-    block_ko, block_ki = _block_k(k_o), _block_k(k_i)
-    grid = (len(example), triton.cdiv(k_o, block_ko), triton.cdiv(k_i, block_ki))
-    _project_linear_grads_kernel[grid](
-        x,
-        g,
-        w,
-        p_in32,
-        p_out32,
-        partial,
-        _dev(example),
-        _dev(slot),
-        _dev(start),
-        _dev(stop),
-        d_in,
-        d_out,
-        k_i,
-        k_o,
-        x.stride(0),
-        x.stride(1),
-        g.stride(0),
-        g.stride(1),
-        p_in32.stride(0),
-        p_in32.stride(1),
-        p_out32.stride(0),
-        p_out32.stride(1),
-        partial.stride(0),
-        partial.stride(1),
-        partial.stride(2),
-        partial.stride(3),
-        HAS_WEIGHTS=token_weights is not None,
-        PRECISION="tf32" if lowp else "ieee",  # fp32 inputs keep fp32 accuracy (rel. err <= 1e-5)
-        BLOCK_KO=block_ko,
-        BLOCK_KI=block_ki,
-    )
+    items = tuple(torch.from_numpy(a).to(dev) for a in (example, slot, start, stop))
+    args = project_kernel_args(x, g, token_weights, p_in.to(torch.float32), p_out.to(torch.float32), partial, items)
+    grid = (len(example), triton.cdiv(k_o, args["BLOCK_KO"]), triton.cdiv(k_i, args["BLOCK_KI"]))
+    project_linear_grads_kernel[grid](**args)
     out += partial.sum(dim=1).to(out.dtype)
     return out
 
@@ -539,9 +571,40 @@ def project_linear_grads(
     """
     cu = _check_inputs(x, g, cu_seqlens, p_in, p_out, token_weights, out)
     chosen = resolve_backend(_OP, backend, x.device)
+    check = False
+    if chosen == "triton":
+        chosen, check = backend_for(_OP, x.device, x.dtype, "triton", "torch")
+    else:
+        record_backend(_OP, chosen)
+    compute = functools.partial(_compute, x, g, cu, p_in, p_out, token_weights)
+    if not check or x.shape[0] == 0:
+        return compute(chosen, out)
+    res = run_first_use(
+        _OP, x.device, x.dtype, ("triton", "torch"), lambda: compute("triton", None),
+        lambda got: _verify_prefix(got, x, g, cu, p_in, p_out, token_weights), lambda: compute("torch", None),
+    )
+    if out is None:
+        return res
+    out += res.to(out.dtype)
+    return out
+
+
+def _compute(x: torch.Tensor, g: torch.Tensor, cu: np.ndarray, p_in: torch.Tensor, p_out: torch.Tensor,
+             token_weights: torch.Tensor | None, chosen: str, out: torch.Tensor | None) -> torch.Tensor:
+    """The features on the ``chosen`` backend, added to ``out`` (a new tensor when None)."""
     if out is None:
         dt = torch.float64 if (x.dtype == torch.float64 and chosen == "torch") else torch.float32
         out = torch.zeros(len(cu) - 1, p_out.shape[1], p_in.shape[1], dtype=dt, device=x.device)
     if chosen == "triton":
         return project_linear_grads_triton(x, g, cu, p_in, p_out, token_weights, out)
     return _project_linear_grads_torch(x, g, cu, p_in, p_out, token_weights, out)
+
+
+def _verify_prefix(got: torch.Tensor, x: torch.Tensor, g: torch.Tensor, cu: np.ndarray, p_in: torch.Tensor,
+                   p_out: torch.Tensor, token_weights: torch.Tensor | None) -> str | None:
+    """The first-use check: the kernel's result for the first examples against the torch path's."""
+    j = check_prefix(cu)
+    n = int(cu[j])
+    w = None if token_weights is None else token_weights[:n]
+    ref = _compute(x[:n], g[:n], cu[: j + 1], p_in, p_out, w, "torch", None)
+    return compare_features(got[:j], ref, x.dtype, "triton")

@@ -365,8 +365,9 @@ def cli_work_functions(path: Path | None = None) -> list[str]:
         if not any(name.endswith(f) or name.startswith(f) or f.strip("_") in name for f in CLI_FUNCTION_FORMS):
             out.append(f"{_where(path)}:{fn.lineno} {name}: not parsing or error mapping")
         elif name.startswith("cmd_") and fn.end_lineno - fn.lineno + 1 > MAX_CMD_LINES:
-            out.append(f"{_where(path)}:{fn.lineno} {name}: a command entry doing work ({fn.end_lineno - fn.lineno + 1} "
-                       "lines; move the work into a library module)")
+            size = fn.end_lineno - fn.lineno + 1
+            out.append(f"{_where(path)}:{fn.lineno} {name}: a command entry doing work ({size} lines; move the work "
+                       "into a library module)")
     return out
 
 

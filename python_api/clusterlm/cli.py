@@ -134,7 +134,7 @@ def select_config(args: argparse.Namespace) -> SelectConfig:
 
 def select_job(args: argparse.Namespace) -> SelectJob:
     """The :class:`clusterlm.pipeline.SelectJob` of ``clusterlm select``'s options."""
-    return SelectJob(model=args.model, data=args.data, out=Path(args.out), config=select_config(args),
+    return SelectJob(model=args.model, data=args.data, out=args.out, config=select_config(args),
                      max_length=args.max_length, chat_template=args.chat_template, feature_store=args.feature_store,
                      progress=not args.no_progress, device=args.device, dtype=args.dtype,
                      nproc=getattr(args, "nproc", 1),

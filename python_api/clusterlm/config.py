@@ -19,7 +19,6 @@ One name per concept, from the command line to the kernel (docs/architecture.md 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from clusterlm.budget import check_int, cluster_size_bound, resolve_any_budget, 
 from clusterlm.features import DEFAULT_BATCH_TOKENS, DEFAULT_FEATURE_TOKENS, LAYER_PRESETS
 from clusterlm.paper import PAPER_CAP, PAPER_N_INIT, PAPER_SEED, paper_percentage
 from clusterlm.picking import WITHIN_CLUSTER
+from clusterlm.settings import apply_settings
 
 __all__ = [
     "CLUSTERINGS",
@@ -314,14 +314,7 @@ class SelectConfig:
         Raises:
             TypeError: a name that is not a setting (the message lists the settings).
         """
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(
-                f"select: unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(sorted(names))} "
-                "(clusterlm.SelectConfig)."
-            )
-        return dataclasses.replace(self, **overrides) if overrides else self
+        return apply_settings(SelectConfig, self, overrides, "select")
 
     @property
     def preset_spec(self) -> Preset:

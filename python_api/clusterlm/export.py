@@ -8,6 +8,7 @@ its plan list, in plan-sampler order, and only has to multiply each example's lo
 
     ds = plan_to_dataset(plan, data, batch_size=4, epochs=3)   # a datasets.Dataset
     save_export(ds, "export/", plan=plan, batch_size=4, epochs=3)
+    # or the settings as one object: ExportConfig(batch_size=4, epochs=3), passed to each call
 
     clusterlm export --plan plan/ --data train.jsonl --out export/ --batch-size 4 --epochs 3 [--model M]
 
@@ -42,23 +43,63 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from clusterlm._io import atomic_write_json
-from clusterlm.data import SFTDataset, load_data, read_columns
+from clusterlm.data import DEFAULT_MAX_LENGTH, SFTDataset, load_data, read_columns
 from clusterlm.models import load_model
 from clusterlm.plan import Plan
 from clusterlm.sampler import PlanSampler
+from clusterlm.settings import apply_settings
 
-__all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "as_hf_dataset", "export_files", "export_order", "plan_to_dataset",
-           "save_export"]
+__all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "ExportConfig", "as_hf_dataset", "export_files", "export_order",
+           "plan_to_dataset", "save_export"]
 
 EXPORT_FORMAT = "clusterlm.export"
 # Columns added to every exported row (besides the weight column).
 EXPORT_COLUMNS = ("plan_index", "plan_rank", "plan_epoch", "plan_position")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """The settings of an export; :func:`export_order`, :func:`plan_to_dataset`, :func:`save_export` read theirs.
+
+    :func:`export_files` (``clusterlm export``) reads them all.
+
+    Attributes:
+        batch_size: per-device batch size B of the consuming trainer (1 for ``DistributedSampler``).
+        epochs: epochs written back to back.
+        seed: the plan sampler's seed (``PlanSampler(plan, r, seed=seed)``).
+        shuffle: reshuffle every epoch like the plan sampler; False repeats the plan order.
+        drop_last: drop each rank's last ``m mod B`` examples per epoch instead of refusing.
+        weight_column: name of the weight column.
+        split: the split of a ``DatasetDict`` source.
+        max_length / chat_template: tokenisation options of :func:`export_files` with ``model`` (as for
+            :func:`clusterlm.load_data`); ``max_length`` None: the one the plan records (``plan.config["data"]``),
+            else :data:`clusterlm.data.DEFAULT_MAX_LENGTH`.
+    """
+
+    batch_size: int = 1
+    epochs: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    weight_column: str = "weight"
+
+    def replace(self, **overrides: Any) -> ExportConfig:
+        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
+        return apply_settings(ExportConfig, self, overrides, "plan export")
+    split: str | None = None
+    max_length: int | None = None
+    chat_template: bool | None = None
+
+
+def _settings(config: ExportConfig | None, overrides: dict[str, Any]) -> ExportConfig:
+    return apply_settings(ExportConfig, config, overrides, "plan export")
 
 
 def _positive(value: Any, name: str) -> int:
@@ -67,17 +108,13 @@ def _positive(value: Any, name: str) -> int:
     return int(value)
 
 
-def export_order(plan: Plan, *, batch_size: int = 1, epochs: int = 1, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False) -> dict[str, np.ndarray]:
+def export_order(plan: Plan, config: ExportConfig | None = None, **overrides: Any) -> dict[str, np.ndarray]:
     """The global row order of an export (see the module docstring for the layout).
 
     Args:
         plan: the plan.
-        batch_size: per-device batch size B of the consuming trainer (1 for ``DistributedSampler``).
-        epochs: epochs written back to back.
-        seed: the plan sampler's seed (``PlanSampler(plan, r, seed=seed)``).
-        shuffle: reshuffle every epoch like the plan sampler; False repeats the plan order.
-        drop_last: drop each rank's last ``m mod B`` examples per epoch instead of refusing.
+        config: the settings (:class:`ExportConfig`: ``batch_size``, ``epochs``, ``seed``, ``shuffle``,
+            ``drop_last`` are read); ``overrides`` (any of its fields) are applied on top.
 
     Returns:
         ``{"plan_index", "plan_rank", "plan_epoch", "plan_position"}``: int64 arrays of length
@@ -85,8 +122,10 @@ def export_order(plan: Plan, *, batch_size: int = 1, epochs: int = 1, seed: int 
 
     Raises:
         ValueError: non-positive batch_size/epochs, or m not a multiple of B without ``drop_last``.
+        TypeError: an unknown setting.
     """
-    b, n_epochs = _positive(batch_size, "batch_size"), _positive(epochs, "epochs")
+    c = _settings(config, overrides)
+    b, n_epochs, drop_last = _positive(c.batch_size, "batch_size"), _positive(c.epochs, "epochs"), c.drop_last
     k, m = plan.world_size, plan.per_rank
     used = m - m % b
     if used != m and not drop_last:
@@ -97,7 +136,7 @@ def export_order(plan: Plan, *, batch_size: int = 1, epochs: int = 1, seed: int 
         )
     if used == 0:
         raise ValueError(f"plan export: batch_size={b} exceeds the {m} examples per rank; use a smaller batch size.")
-    samplers = [PlanSampler(plan, r, epoch_shuffle=shuffle, seed=seed) for r in range(k)]
+    samplers = [PlanSampler(plan, r, epoch_shuffle=c.shuffle, seed=c.seed) for r in range(k)]
     ranks = np.broadcast_to(np.arange(k, dtype=np.int64)[:, None], (k, used))
     positions = np.broadcast_to(np.arange(used, dtype=np.int64)[None, :], (k, used))
 
@@ -146,9 +185,8 @@ def _check_source(plan: Plan, ds: Any, verify: bool) -> None:
         )
 
 
-def plan_to_dataset(plan: Plan, dataset: Any, *, batch_size: int = 1, epochs: int = 1, seed: int = 0,
-                    shuffle: bool = True, drop_last: bool = False, weight_column: str = "weight",
-                    split: str | None = None, verify: bool = True) -> Any:
+def plan_to_dataset(plan: Plan, dataset: Any, config: ExportConfig | None = None, *, verify: bool = True,
+                    **overrides: Any) -> Any:
     """The plan as one ``datasets.Dataset`` in interleaved global order with a weight column.
 
     Args:
@@ -156,9 +194,8 @@ def plan_to_dataset(plan: Plan, dataset: Any, *, batch_size: int = 1, epochs: in
         dataset: the data the plan indexes: an :class:`~clusterlm.data.SFTDataset`, a ``datasets.Dataset`` /
             ``DatasetDict`` (with ``split``), a ``save_to_disk`` directory, a ``.jsonl``/``.json``/``.parquet``
             file, or a list of dicts (raw records or tokenised examples).
-        batch_size, epochs, seed, shuffle, drop_last: the layout (:func:`export_order`).
-        weight_column: name of the weight column.
-        split: the split of a ``DatasetDict`` source.
+        config: the settings (:class:`ExportConfig`: the layout, ``weight_column``, ``split``); ``overrides``
+            (any of its fields, e.g. ``batch_size=4, epochs=3``) are applied on top.
         verify: check the plan's fingerprint against ``input_ids``/``labels`` when the source has them.
 
     Returns:
@@ -167,14 +204,17 @@ def plan_to_dataset(plan: Plan, dataset: Any, *, batch_size: int = 1, epochs: in
     Raises:
         ValueError: a plan for other data (fingerprint or size), a column name already in the source, a bad
             layout (see :func:`export_order`).
+        TypeError: an unknown setting.
     """
-    ds = as_hf_dataset(dataset, split)
+    c = _settings(config, overrides)
+    weight_column = c.weight_column
+    ds = as_hf_dataset(dataset, c.split)
     _check_source(plan, ds, verify)
-    taken = [c for c in (weight_column, *EXPORT_COLUMNS) if c in ds.column_names]
+    taken = [col for col in (weight_column, *EXPORT_COLUMNS) if col in ds.column_names]
     if taken:
         raise ValueError(f"plan export: the data set already has the column(s) {taken}; rename them or pass another "
                          "weight_column.")
-    order = export_order(plan, batch_size=batch_size, epochs=epochs, seed=seed, shuffle=shuffle, drop_last=drop_last)
+    order = export_order(plan, c)
     out = ds.select(order["plan_index"])
     out = out.add_column(weight_column, plan.weights[order["plan_index"]].tolist())
     for name in EXPORT_COLUMNS:
@@ -182,18 +222,29 @@ def plan_to_dataset(plan: Plan, dataset: Any, *, batch_size: int = 1, epochs: in
     return out
 
 
-def save_export(dataset: Any, out_dir: str | os.PathLike, *, plan: Plan, batch_size: int, epochs: int,
-                seed: int = 0, shuffle: bool = True, drop_last: bool = False, weight_column: str = "weight",
-                verified: bool | None = None) -> dict[str, Path]:
+def save_export(dataset: Any, out_dir: str | os.PathLike, config: ExportConfig | None = None, *, plan: Plan,
+                verified: bool | None = None, **overrides: Any) -> dict[str, Path]:
     """Write an exported data set as ``save_to_disk`` directory, JSONL and a manifest.
 
     Files: ``out_dir/dataset/`` (``datasets.load_from_disk``), ``out_dir/train.jsonl`` (one row per line, in
     order) and ``out_dir/export.json`` (the layout, the plan's fingerprint and world size). The data set
     directory is written beside and moved into place, so a crash leaves no half-written export.
 
+    Args:
+        dataset: the exported ``datasets.Dataset`` (:func:`plan_to_dataset`).
+        out_dir: where the files go.
+        config: the settings the export was made with (:class:`ExportConfig`; the manifest records the layout and
+            ``weight_column``); ``overrides`` (any of its fields) are applied on top.
+        plan: the exported plan.
+        verified: whether the plan's fingerprint was checked against the data (recorded).
+
     Returns:
         ``{"dataset", "jsonl", "manifest"}`` paths.
+
+    Raises:
+        TypeError: an unknown setting.
     """
+    c = _settings(config, overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"dataset": out / "dataset", "jsonl": out / "train.jsonl", "manifest": out / "export.json"}
@@ -209,9 +260,9 @@ def save_export(dataset: Any, out_dir: str | os.PathLike, *, plan: Plan, batch_s
         shutil.rmtree(tmp, ignore_errors=True)
     atomic_write_json(paths["manifest"], {
         "format": EXPORT_FORMAT, "version": 1, "rows": len(dataset), "columns": list(dataset.column_names),
-        "weight_column": weight_column, "world_size": plan.world_size, "per_rank": plan.per_rank,
-        "batch_size": int(batch_size), "epochs": int(epochs), "seed": int(seed), "shuffle": bool(shuffle),
-        "drop_last": bool(drop_last), "plan_fingerprint": dict(plan.fingerprint), "plan_model_id": plan.model_id,
+        "weight_column": c.weight_column, "world_size": plan.world_size, "per_rank": plan.per_rank,
+        "batch_size": int(c.batch_size), "epochs": int(c.epochs), "seed": int(c.seed), "shuffle": bool(c.shuffle),
+        "drop_last": bool(c.drop_last), "plan_fingerprint": dict(plan.fingerprint), "plan_model_id": plan.model_id,
         "content_verified": verified,
         "layout": "global batch i (rows i*B .. i*B+B-1) belongs to rank i mod world_size; epochs back to back; "
                   "train one pass with a sequential sampler and loss mean_b(weight_b * loss_b) per rank",
@@ -219,45 +270,45 @@ def save_export(dataset: Any, out_dir: str | os.PathLike, *, plan: Plan, batch_s
     return paths
 
 
-def export_files(plan_dir: str | os.PathLike, data: Any, out_dir: str | os.PathLike, *, model: str | None = None,
-                 max_length: int | None = None, chat_template: bool | None = None, split: str | None = None,
-                 batch_size: int = 1, epochs: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 weight_column: str = "weight") -> tuple[dict[str, Path], bool]:
+def export_files(plan_dir: str | os.PathLike, data: Any, out_dir: str | os.PathLike,
+                 config: ExportConfig | None = None, *, model: str | None = None,
+                 **overrides: Any) -> tuple[dict[str, Path], bool]:
     """``clusterlm export``: load a saved plan, export ``data`` in its order, write the files (:func:`save_export`).
 
     Args:
         plan_dir: a directory written by :meth:`Plan.save`.
         data: the data the plan was made for (any source :func:`plan_to_dataset` accepts).
         out_dir: where the files go.
+        config: the settings (:class:`ExportConfig`: layout, ``weight_column``, ``split``, and ``max_length`` /
+            ``chat_template`` for ``model``); ``overrides`` (any of its fields) are applied on top.
         model: a model spec for :func:`clusterlm.models.load_model`: its tokenizer tokenises raw rows as
             ``clusterlm select`` did, the plan's fingerprint is verified against them, and ``input_ids``/``labels``
             are exported next to the raw columns. None: raw rows are exported as they are (checked for their
             number only; tokenised sources are verified anyway).
-        max_length, chat_template: tokenisation options with ``model`` (as for :func:`clusterlm.load_data`);
-            ``max_length`` defaults to the one the plan records (``plan.config["data"]``), else 1024.
-        split, batch_size, epochs, seed, shuffle, drop_last, weight_column: as :func:`plan_to_dataset`.
 
     Returns:
         ``(paths, verified)``: the written files, and whether the plan's fingerprint was checked.
+
+    Raises:
+        TypeError: an unknown setting.
     """
     import datasets
 
+    c = _settings(config, overrides)
     plan = Plan.load(plan_dir)
     source: Any = data
     if model is not None:
         _, tokenizer, _ = load_model(model)
+        max_length = c.max_length
         if max_length is None:
-            max_length = (plan.config.get("data") or {}).get("max_length", 1024)
-        tokens = load_data(data, tokenizer, max_length=max_length, split=split, progress=False,
-                           chat_template=chat_template)
-        keep = tokens.source_indices  # the rows load_data kept: examples with an empty answer are skipped
-        columns = {name: [values[i] for i in keep] for name, values in read_columns(data, split).items()}
+            max_length = (plan.config.get("data") or {}).get("max_length", DEFAULT_MAX_LENGTH)
+        tokens = load_data(data, tokenizer, max_length=max_length, split=c.split, progress=False,
+                           chat_template=c.chat_template)
+        columns = read_columns(data, c.split)
         columns["input_ids"] = [tokens[i]["input_ids"].tolist() for i in range(len(tokens))]
         columns["labels"] = [tokens[i]["labels"].tolist() for i in range(len(tokens))]
         source = datasets.Dataset.from_dict(columns)
-    ds = plan_to_dataset(plan, source, batch_size=batch_size, epochs=epochs, seed=seed, shuffle=shuffle,
-                         drop_last=drop_last, weight_column=weight_column, split=split)
+    ds = plan_to_dataset(plan, source, c)
     verified = {"input_ids", "labels"} <= set(ds.column_names)
-    paths = save_export(ds, out_dir, plan=plan, batch_size=batch_size, epochs=epochs, seed=seed, shuffle=shuffle,
-                        drop_last=drop_last, weight_column=weight_column, verified=verified)
+    paths = save_export(ds, out_dir, c, plan=plan, verified=verified)
     return paths, verified

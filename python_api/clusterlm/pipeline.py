@@ -86,7 +86,7 @@ class SelectJob:
 
     model: str
     data: str
-    out: Path
+    out: str | os.PathLike
     config: SelectConfig
     max_length: int = DEFAULT_MAX_LENGTH
     chat_template: str = "auto"

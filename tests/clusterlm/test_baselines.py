@@ -3,13 +3,19 @@ checked against a direct small reference (hand-made trajectories / losses, per-e
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
-from clusterlm.baselines._training import example_losses
+from clusterlm.baselines._training import TrainLoopConfig, example_losses, train_loop
 from clusterlm.baselines.ifd import answer_only, ifd_plan, ifd_select
 from clusterlm.baselines.less import (
+    LESS_DIM,
+    LessConfig,
     adam_precondition,
     less_plan,
     less_scores,
@@ -17,7 +23,7 @@ from clusterlm.baselines.less import (
     lora_model,
     lora_params,
 )
-from clusterlm.baselines.s2l import balanced_cluster_sample, build_proxy, s2l_plan
+from clusterlm.baselines.s2l import S2LConfig, balanced_cluster_sample, build_proxy, s2l_plan
 from clusterlm.plan import Plan
 
 IGNORE = -100
@@ -241,3 +247,85 @@ def test_model_baseline_specs(tiny_model):
         baseline_plan("s2l:0.31", data, 2)
     with pytest.raises(ValueError, match="less:<ratio>"):
         baseline_plan("less:many", data, 2, model=tiny_model)
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+def _hand_made_trajectories() -> np.ndarray:
+    rng = np.random.default_rng(1)
+    levels = [[5.0, 4.0, 3.0], [1.0, 1.0, 1.0], [4.0, 1.0, 0.5]]
+    return np.concatenate([np.array(lv) + 0.01 * rng.standard_normal((s, 3))
+                           for s, lv in zip([6, 9, 9], levels, strict=True)])
+
+
+def test_s2l_config_plus_overrides_is_the_keyword_call_and_records_the_same_settings():
+    traj = _hand_made_trajectories()
+    data = _examples(len(traj))
+    by_keyword = s2l_plan(None, data, 2, budget=12, n_clusters=3, skip_size=1, seed=3, lr=5e-4,  # type: ignore[arg-type]
+                          trajectories=traj)
+    config = S2LConfig(n_clusters=3, lr=5e-4)
+    by_config = s2l_plan(None, data, 2, None, 12, config, skip_size=1, seed=3, trajectories=traj)  # type: ignore[arg-type]
+    for a, b in zip(by_keyword.rank_indices, by_config.rank_indices, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert by_keyword.config == by_config.config == {
+        "method": "s2l", "ratio": None, "budget": 12, "n_clusters": 3, "skip_size": 1, "proxy_layers": None,
+        "proxy_epochs": 1, "n_checkpoints": 4, "lr": 5e-4, "micro_batch_size": 8,
+        "source": "Yang et al., SmallToLarge (S2L), NeurIPS 2024, Algorithm 1",
+        "world_size": 2, "seed": 3, "token_balance": True, "allocation": "stratified"}
+    assert config.n_clusters == 3 and config.skip_size == 2  # the overrides made a copy
+    assert config.replace(skip_size=1) == S2LConfig(n_clusters=3, lr=5e-4, skip_size=1)
+    with pytest.raises(TypeError, match=r"s2l_plan: unknown setting\(s\) clusters; the settings are .*n_clusters"):
+        s2l_plan(None, data, 2, budget=12, clusters=3, trajectories=traj)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"s2l_plan: config must be a S2LConfig or None, got dict"):
+        s2l_plan(None, data, 2, None, 12, {"n_clusters": 3}, trajectories=traj)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0  # type: ignore[misc]
+
+
+def test_less_config_defaults_and_unknown_settings():
+    assert LESS_DIM == LessConfig().dim == 1024
+    assert inspect.signature(lora_gradient_features).parameters["dim"].default == LESS_DIM
+    assert LessConfig().warmup([2, 4]) == TrainLoopConfig(epochs=4, lr=2e-5, micro_batch_size=8, seed=0,
+                                                          checkpoint_steps=(2, 4))
+    with pytest.raises(TypeError, match=r"less_plan: unknown setting\(s\) dimension, lora_rank; the settings are "
+                                        r"seed, warmup_fraction, .*lora_r, .*dim, .*\(LessConfig\)"):
+        LessConfig().replace(lora_rank=4, dimension=8)
+    data = _examples(8)
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) lora_rank"):  # before any model work
+        less_plan(None, data, 2, budget=4, validation=data[:2], lora_rank=4)  # type: ignore[arg-type]
+
+
+def test_less_config_plus_overrides_is_the_keyword_call(tiny_model):
+    data = _examples(16, seed=3)
+    common = dict(validation=data[:2], model_id="m")
+    by_keyword = less_plan(tiny_model, data, 2, budget=8, seed=1, lr=1e-3, warmup_fraction=0.25, warmup_epochs=1,
+                           dim=16, **common)
+    config = LessConfig(seed=1, lr=1e-3, warmup_fraction=0.25, dim=16)
+    by_config = less_plan(tiny_model, data, 2, None, 8, config, warmup_epochs=1, **common)
+    for a, b in zip(by_keyword.rank_indices, by_config.rank_indices, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert by_keyword.config == by_config.config == {
+        "method": "less", "ratio": None, "budget": 8, "warmup_fraction": 0.25, "warmup_epochs": 1, "lr": 1e-3,
+        "lora_r": 8, "lora_alpha": 32.0, "lora_targets": "q_proj,k_proj,v_proj,o_proj", "dim": 16,
+        "n_validation": 2, "source": "Xia et al., LESS, ICML 2024, sec. 3-4",
+        "world_size": 2, "seed": 1, "token_balance": True, "allocation": "stratified"}
+    assert by_keyword.stats["checkpoint_weights"] == by_config.stats["checkpoint_weights"]
+    assert by_keyword.stats["score_max"] == by_config.stats["score_max"]
+
+
+def test_train_loop_config_plus_overrides_is_the_keyword_call(tiny_model):
+    data = _examples(12, seed=4)
+    idx = np.arange(0, 12, 2)
+    seen: dict[str, list[int]] = {"keyword": [], "config": []}
+    a = train_loop(copy.deepcopy(tiny_model), data, idx, epochs=2, lr=1e-3, micro_batch_size=2, seed=3,
+                   checkpoint_steps=(3, 6), on_checkpoint=lambda step, lr, opt: seen["keyword"].append(step))
+    config = TrainLoopConfig(epochs=2, lr=1e-3, checkpoint_steps=(3, 6))
+    b = train_loop(copy.deepcopy(tiny_model), data, idx, config, micro_batch_size=2, seed=3,
+                   on_checkpoint=lambda step, lr, opt: seen["config"].append(step))
+    assert a["steps"] == b["steps"] == 6 and seen == {"keyword": [3, 6], "config": [3, 6]}
+    assert a["losses"] == b["losses"] and a["lrs"] == b["lrs"]
+    with pytest.raises(TypeError, match=r"train_loop: unknown setting\(s\) warmup; the settings are .*warmup_ratio"):
+        train_loop(tiny_model, data, idx, epochs=1, lr=1e-3, warmup=0.1)
+    with pytest.raises(TypeError, match=r"train_loop: missing required setting\(s\) lr \(TrainLoopConfig\)"):
+        train_loop(tiny_model, data, idx, epochs=1)

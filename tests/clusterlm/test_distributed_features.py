@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-import clusterlm.store as store_mod
 from cluster_kernels import capacity_kmeans
 from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
+from clusterlm._io import FileLock
 from clusterlm.distributed import DistInfo, barrier, featurize_sharded, init_distributed, is_main
 from clusterlm.features import GradientFeaturizer
 from clusterlm.store import FeatureStore
@@ -77,11 +77,15 @@ class Counting:
     def config(self) -> dict:
         return self.inner.config()
 
-    def featurize(self, data, **kwargs):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("rank killed")
-        return self.inner.featurize(data, **kwargs)
+    def featurize_shards(self, data, store, shards, **kwargs):
+        computed = []
+        for w in shards:  # one shard at a time, so a rank can die between two shards
+            if store.shard_record(w) is None:
+                self.calls += 1
+                if self.calls == self.fail_at:
+                    raise RuntimeError("rank killed")
+            computed += self.inner.featurize_shards(data, store, range(w, w + 1), **kwargs)
+        return computed
 
 
 def test_ranks_fill_contiguous_shards_and_the_result_equals_one_process(tmp_path):
@@ -149,12 +153,14 @@ def test_concurrent_writers_lose_no_shard_and_no_clean_up_hits_a_live_writer(tmp
 
 def test_clean_up_spares_a_temporary_file_its_writer_still_holds(tmp_path):
     FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})
-    fd, tmp = store_mod._locked_tmp(tmp_path, "shard_00003.npy")
+    tmp = tmp_path / ".shard_00003.npy.abc123.tmp"
+    writer = FileLock(tmp)  # what clusterlm._io.atomic_write holds on its temporary file until the rename
+    writer.acquire()
     try:
         FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})
         assert os.path.exists(tmp)  # a live writer's file stays
     finally:
-        os.close(fd)
+        writer.release()
     FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})
     assert not os.path.exists(tmp)  # its writer is gone: stale
 

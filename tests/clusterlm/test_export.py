@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from clusterlm.cli import main  # noqa: E402
 from clusterlm.data import SFTDataset, load_data  # noqa: E402
-from clusterlm.export import EXPORT_COLUMNS, export_order, plan_to_dataset  # noqa: E402
+from clusterlm.export import EXPORT_COLUMNS, ExportConfig, export_files, export_order, plan_to_dataset  # noqa: E402
 from clusterlm.plan import Plan  # noqa: E402
 from clusterlm.sampler import PlanSampler  # noqa: E402
 
@@ -88,6 +88,42 @@ def test_layout_refusals_and_drop_last():
         plan_to_dataset(plan, [{"prompt": "p", "response": "r"}] * 15)
     with pytest.raises(ValueError, match=r"already has the column\(s\) \['weight'\]"):
         plan_to_dataset(plan, [{"prompt": "p", "response": "r", "weight": 1.0}] * 16)
+
+
+def test_export_config_plus_overrides_is_the_keyword_call(tmp_path):
+    data, plan = _data()
+    config = ExportConfig(batch_size=3, drop_last=True)
+    by_config = export_order(plan, config, epochs=2, seed=5)
+    by_keyword = export_order(plan, batch_size=3, epochs=2, drop_last=True, seed=5)
+    assert by_config.keys() == by_keyword.keys()
+    for name in by_keyword:
+        np.testing.assert_array_equal(by_config[name], by_keyword[name])
+    assert config.epochs == 1 and config.replace(epochs=2).epochs == 2  # overrides make a copy
+    ds = plan_to_dataset(plan, data, ExportConfig(batch_size=2, weight_column="w"), epochs=2)
+    assert ds.to_dict() == plan_to_dataset(plan, data, batch_size=2, epochs=2, weight_column="w").to_dict()
+    # the files: the manifest records the same settings either way
+    plan.save(tmp_path / "plan")
+    tokenized = tmp_path / "tok.jsonl"
+    tokenized.write_text("".join(json.dumps(ex) + "\n" for ex in tiny_sft.token_examples()))
+    export_files(tmp_path / "plan", str(tokenized), tmp_path / "a", batch_size=2, epochs=3, seed=7, shuffle=False)
+    _, verified = export_files(tmp_path / "plan", str(tokenized), tmp_path / "b",
+                               ExportConfig(batch_size=2, epochs=3, shuffle=False), seed=7)
+    assert verified
+    assert (tmp_path / "a" / "train.jsonl").read_text() == (tmp_path / "b" / "train.jsonl").read_text()
+    manifest = json.loads((tmp_path / "b" / "export.json").read_text())
+    assert manifest == json.loads((tmp_path / "a" / "export.json").read_text())
+    assert (manifest["batch_size"], manifest["epochs"], manifest["seed"], manifest["shuffle"]) == (2, 3, 7, False)
+
+
+def test_export_unknown_settings_are_named():
+    data, plan = _data()
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) batchsize; the settings are batch_size, epochs, .*"
+                                        r"\(ExportConfig\)"):
+        export_order(plan, batchsize=2)
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) max_len"):  # before the plan is read
+        export_files("no-such-plan", data, "out", max_len=16)
+    with pytest.raises(TypeError, match="config must be an ExportConfig or None, got int"):
+        plan_to_dataset(plan, data, 2)
 
 
 def test_cli_export_writes_dataset_jsonl_and_manifest(tmp_path, capsys):

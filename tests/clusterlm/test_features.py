@@ -224,7 +224,8 @@ def test_head_presets_run_forward_only_and_never_build_logits(layers):
     model = tiny_model("llama")
     seen = []
     hook = model.lm_head.register_forward_hook(lambda m, a, out: seen.append((torch.is_grad_enabled(), out.shape)))
-    GradientFeaturizer(model, features=layers, dim=None if layers == "paper" else 16).featurize(EXAMPLES, progress=False)
+    feat = GradientFeaturizer(model, features=layers, dim=None if layers == "paper" else 16)
+    feat.featurize(EXAMPLES, progress=False)
     hook.remove()
     assert seen and all(grad is False and shape[-2] == 0 for grad, shape in seen)
 
@@ -335,14 +336,14 @@ def test_unknown_layer_names_list_the_available_ones():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        (dict(layers="paper", dim=16), ValueError, "dimension is the hidden size"),
-        (dict(layers="everything"), ValueError, "layers must be one of"),
-        (dict(layers="lora"), ValueError, "has no LoRA layers"),
-        (dict(layers=[]), TypeError, "non-empty list of module names"),
-        (dict(layers=["lm_head", "lm_head"]), ValueError, "lists a name twice"),
-        (dict(layers="lm_head", dim=(0, 4)), ValueError, "must be positive"),
-        (dict(layers="lm_head", dim="64"), TypeError, "dim must be None, an int"),
-        (dict(layers="lm_head", projection="sparse"), ValueError, "projection must be one of"),
+        (dict(features="paper", dim=16), ValueError, "dimension is the hidden size"),
+        (dict(features="everything"), ValueError, "layers must be one of"),
+        (dict(features="lora"), ValueError, "has no LoRA layers"),
+        (dict(features=[]), TypeError, "non-empty list of module names"),
+        (dict(features=["lm_head", "lm_head"]), ValueError, "lists a name twice"),
+        (dict(features="lm_head", dim=(0, 4)), ValueError, "must be positive"),
+        (dict(features="lm_head", dim="64"), TypeError, "dim must be None, an int"),
+        (dict(features="lm_head", projection="sparse"), ValueError, "projection must be one of"),
         (dict(layers="lm_head", dtype=torch.int8), TypeError, "dtype must be None or a floating"),
     ],
 )
@@ -419,5 +420,5 @@ def test_max_tokens_features_equal_the_features_of_the_cut_examples():
 
 @pytest.mark.parametrize("bad", [0, 1, 2.5, True, "64"])
 def test_bad_max_tokens_is_refused(bad):
-    with pytest.raises(ValueError, match="max_tokens must be None"):
+    with pytest.raises(ValueError, match="feature_tokens must be None"):  # renamed from max_tokens (issue 20)
         GradientFeaturizer(tiny_model("llama"), features="lm_head", dim=4, feature_tokens=bad)

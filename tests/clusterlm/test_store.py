@@ -69,6 +69,49 @@ def test_shards_assemble_into_a_read_only_memmap_and_stream_in_blocks(tmp_path):
     np.testing.assert_array_equal(store.read_shard(2), data[8:])
 
 
+
+def _filled(path: Path) -> FeatureStore:
+    store = FeatureStore(path, shard_size=2)
+    store.begin(dim=2, config={})
+    for i in range(3):
+        store.write_shard(i, np.full((2, 2), i, dtype=np.float32), data_sha256=f"h{i}")
+    return store
+
+
+def test_a_new_store_is_version_2_and_its_manifest_is_public_as_a_copy(tmp_path):
+    store = _filled(tmp_path)
+    manifest = store.manifest()
+    assert (manifest["format"], manifest["version"]) == (store_mod.STORE_FORMAT, store_mod.STORE_VERSION) == (
+        "clusterlm.features", 2)
+    assert sorted(manifest["shards"]) == ["0", "1", "2"] and all("sha256" in r for r in manifest["shards"].values())
+    manifest["shards"].clear()
+    assert len(store.manifest()["shards"]) == 3 and store.rows_done() == 6 and store.stored_shard_size() == 2
+
+
+def test_a_version_2_record_without_its_checksum_is_dropped_and_recomputed(tmp_path):
+    _filled(tmp_path)
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    del raw["shards"]["1"]["sha256"]
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    store = FeatureStore(tmp_path, shard_size=2)
+    with pytest.raises(ValueError, match=r"shard 1 \(shard_00001\.npy\) has no checksum.*rerun the featurizer"):
+        store.finalize(6)
+    assert sorted(store.reload().manifest()["shards"]) == ["0", "2"]
+
+
+@pytest.mark.parametrize(("fmt", "version", "match"), [
+    ("clusterlm.features", 3, r"manifest\.json has format version 3; this clusterlm reads version 1 or 2"),
+    ("clusterlm.features/7", None, r"format version 7"),
+    ("clusterlm.plan", 2, r"not a clusterlm feature store \(its format is 'clusterlm.plan'"),
+])
+def test_a_manifest_of_another_version_or_format_is_refused(tmp_path, fmt, version, match):
+    _filled(tmp_path)
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    raw.update(format=fmt, version=version)
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})
+
 def test_a_failed_shard_write_leaves_nothing_half_written(tmp_path, monkeypatch):
     store = FeatureStore(tmp_path, shard_size=2)
     store.begin(dim=2, config={})

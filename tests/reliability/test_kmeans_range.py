@@ -309,3 +309,31 @@ def test_torch_tensors_on_the_range_checks():
     res = capacity_kmeans(torch.from_numpy(scaled(np.float64, 2.0**-1000)), K, min_size=SIZE, max_size=SIZE,
                           n_init=2, seed=3, backend="torch")
     np.testing.assert_array_equal(res.labels.numpy(), base_kmeans(np.float64, "torch").labels)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 25: a bound beyond int64, and backend="cuda" on a numpy array (each message failed before its fix)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, name", [({"max_size": 2**70}, "max_size"), ({"min_size": [0, -(2**64)]}, "min_size"),
+                                      ({"max_size": 1e30}, "max_size")], ids=["2**70", "-2**64 in a list", "1e30"])
+def test_a_bound_beyond_int64_is_out_of_range_and_the_message_gives_the_range(kw, name):
+    """Formerly "max_size must be an int or a sequence of ints, got 1180591620717411303424" (the value is an int)."""
+    with pytest.raises(ValueError) as info:
+        capacity_kmeans(_x(), 2, **kw)
+    msg = str(info.value)
+    assert f"{name} = " in msg and "is out of range" in msg and "[0, 2**63 - 1]" in msg, msg
+    assert f"pass {name}=None" in msg and "\n" not in msg, msg
+
+
+def test_backend_cuda_on_a_numpy_array_says_to_pass_a_cuda_tensor_or_use_cpu():
+    """Formerly "... got one on cpu; move it with .cuda()", which a numpy array does not have."""
+    for call in (lambda: capacity_kmeans(_x(), 2, backend="cuda"),
+                 lambda: assign_with_capacity(_x(), _x(2), backend="cuda")):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        assert "got a numpy array" in msg and "CUDA torch tensor" in msg and "backend='cpu'" in msg, msg
+        assert ".cuda()" not in msg.replace("torch.from_numpy(x).cuda()", ""), msg
+        assert "\n" not in msg

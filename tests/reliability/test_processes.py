@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import cli
+from clusterlm import pipeline
 from clusterlm import train as trainer
 from clusterlm.launch import first_failure, spawn
 
@@ -220,7 +220,7 @@ def test_non_positive_process_counts_are_refused_at_once(tiny, tmp_path, capfd, 
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(trainer, "load_model", no_model)
-    monkeypatch.setattr(cli, "load_model", no_model)
+    monkeypatch.setattr(pipeline, "load_model", no_model)  # load_model moved to the pipeline (issue 20)
     out = tmp_path / "out"
     if command == "train":
         argv = ["train", *tiny.argv(out, "--nproc", value)]

@@ -12,6 +12,9 @@ every method through the same trainer and differs only in the data:
 - :mod:`clusterlm.baselines.less`: :func:`less_plan` (Adam-preconditioned LoRA gradients, cosine similarity
   to validation gradients; Xia et al., ICML 2024).
 
+S2L and LESS take their settings as one frozen dataclass (:class:`S2LConfig`, :class:`LessConfig`), or as
+keyword overrides of its fields (``less_plan(model, data, 2, ratio=0.3, validation=v, lr=1e-3)``).
+
 :func:`baseline_plan` turns specs into plans: the trainer's ``--plan`` specs (``full``, ``random:0.31``,
 ``random:5000``; :func:`is_baseline_spec`), and ``s2l:<ratio|count>``, ``ifd:...``, ``less:...``, which need
 the model (and LESS a validation set) and are therefore built before training (``clusterlm compare`` does,
@@ -23,14 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 from clusterlm.baselines.ifd import ifd_plan
-from clusterlm.baselines.less import less_plan
+from clusterlm.baselines.less import LessConfig, less_plan
 from clusterlm.baselines.random import full_plan, random_plan
-from clusterlm.baselines.s2l import s2l_plan
+from clusterlm.baselines.s2l import S2LConfig, s2l_plan
 from clusterlm.plan import Plan
 
 __all__ = [
-    "BASELINE_SPECS", "MODEL_BASELINES", "baseline_plan", "full_plan", "ifd_plan", "is_baseline_spec", "less_plan",
-    "random_plan", "s2l_plan",
+    "BASELINE_SPECS", "MODEL_BASELINES", "LessConfig", "S2LConfig", "baseline_plan", "full_plan", "ifd_plan",
+    "is_baseline_spec", "less_plan", "random_plan", "s2l_plan",
 ]
 
 # The --plan values that name a baseline instead of a plan directory.
@@ -80,7 +83,8 @@ def baseline_plan(
         token_balance: see :mod:`clusterlm.baselines.random`.
         model: the causal LM for S2L / IFD / LESS.
         **options: further keyword arguments of :func:`s2l_plan` / :func:`ifd_plan` / :func:`less_plan`
-            (``less`` needs ``validation=``).
+            (``less`` needs ``validation=``; S2L / LESS also take ``config=`` and their settings by name, ``seed``
+            and ``token_balance`` above overriding the config's).
 
     Returns:
         The :class:`Plan`.

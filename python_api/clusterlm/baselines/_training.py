@@ -21,11 +21,10 @@ are the same call.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,47 +32,15 @@ import torch
 from clusterlm.data import collate
 from clusterlm.engine import build_optimizer, build_scheduler, make_micro_batches, train_step
 from clusterlm.loss import per_example_loss
+from clusterlm.settings import apply_settings
 
 __all__ = [
-    "LOSS_BATCH_TOKENS", "MICRO_BATCH_SIZE", "TrainLoopConfig", "apply_settings", "example_losses", "length_batches",
+    "LOSS_BATCH_TOKENS", "MICRO_BATCH_SIZE", "TrainLoopConfig", "example_losses", "length_batches",
     "pad_id_of", "stage", "train_loop",
 ]
 
 LOSS_BATCH_TOKENS = 8192  # padded tokens per loss forward (example_losses, S2L's trajectories)
 MICRO_BATCH_SIZE = 8  # examples per optimizer step of the baselines' training (train_loop, S2L, LESS)
-
-S = TypeVar("S")
-
-
-def apply_settings(kind: type[S], config: S | None, overrides: Mapping[str, Any], owner: str) -> S:
-    """The settings of one call: ``config`` (None: ``kind``'s defaults) with ``overrides`` applied.
-
-    Args:
-        kind: the settings dataclass (e.g. :class:`TrainLoopConfig`).
-        config: an instance of ``kind``, or None.
-        overrides: field name -> value.
-        owner: the function the settings are for, named in the errors.
-
-    Raises:
-        TypeError: ``config`` is not a ``kind``; a name in ``overrides`` that is not a field (the message lists the
-            fields); a required field given neither by ``config`` nor by ``overrides``.
-    """
-    if config is not None and not isinstance(config, kind):
-        raise TypeError(f"{owner}: config must be a {kind.__name__} or None, got {type(config).__name__} "
-                        f"{config!r}; pass settings by keyword ({owner}(..., name=value)).")
-    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
-    unknown = sorted(set(overrides) - {f.name for f in fields})
-    if unknown:
-        raise TypeError(f"{owner}: unknown setting(s) {', '.join(unknown)}; the settings are "
-                        f"{', '.join(f.name for f in fields)} ({kind.__name__}).")
-    if config is not None:
-        return dataclasses.replace(config, **overrides) if overrides else config  # type: ignore[type-var]
-    missing = [f.name for f in fields if f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING and f.name not in overrides]
-    if missing:
-        raise TypeError(f"{owner}: missing required setting(s) {', '.join(missing)} ({kind.__name__}).")
-    return kind(**overrides)
-
 
 def pad_id_of(model: Any, pad_id: int | None) -> int:
     """``pad_id`` if given, else the model config's pad token id, else 0 (padding is masked anyway)."""

@@ -22,8 +22,8 @@ Small-scale re-implementation, step by step:
    gradient ``(D_p,)`` is multiplied by its own Rademacher matrix
    :func:`cluster_kernels.projection.random_projection` ``(D_p, dim)`` keyed by ``(seed, parameter
    name)`` and the blocks are summed (a block Johnson-Lindenstrauss projection of the concatenated
-   gradient, ``E[<Pa, Pb>] = <a, b>``); ``dim`` = :data:`LESS_DIM` = 1024 by default (our LoRA gradients have ~3e4 entries
-   for the 128-wide demo model, LESS's ~1e7 for 8192).
+   gradient, ``E[<Pa, Pb>] = <a, b>``); ``dim`` = :data:`LESS_DIM` = 1024 by default (our LoRA gradients
+   have ~3e4 entries for the 128-wide demo model, LESS's ~1e7 for 8192).
 5. *Score* (§3.3 eq. 5-6, ``matching.py``): cosine similarity of every projected training gradient
    with every projected validation gradient, averaged over the validation examples (one target task),
    summed over checkpoints with weights = the mean learning rate of each epoch, normalised to sum 1.
@@ -51,7 +51,6 @@ from clusterlm.baselines._plans import budget_count, make_plan
 from clusterlm.baselines._training import (
     MICRO_BATCH_SIZE,
     TrainLoopConfig,
-    apply_settings,
     length_batches,
     pad_id_of,
     stage,
@@ -60,6 +59,7 @@ from clusterlm.baselines._training import (
 from clusterlm.data import collate
 from clusterlm.loss import per_example_loss
 from clusterlm.plan import Plan
+from clusterlm.settings import apply_settings
 
 __all__ = [
     "LESS_BATCH_TOKENS", "LESS_DIM", "LESS_TARGETS", "LessConfig", "adam_precondition", "less_plan", "less_scores",

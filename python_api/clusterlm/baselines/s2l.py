@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,12 +40,60 @@ import torch
 
 from cluster_kernels import capacity_kmeans
 from clusterlm.baselines._plans import budget_count, make_plan
-from clusterlm.baselines._training import example_losses, stage, train_loop
+from clusterlm.baselines._training import (
+    LOSS_BATCH_TOKENS,
+    MICRO_BATCH_SIZE,
+    TrainLoopConfig,
+    example_losses,
+    stage,
+    train_loop,
+)
 from clusterlm.plan import Plan
+from clusterlm.settings import apply_settings
 
-__all__ = ["balanced_cluster_sample", "build_proxy", "s2l_plan"]
+__all__ = ["S2LConfig", "balanced_cluster_sample", "build_proxy", "s2l_plan"]
 
 _STREAM_S2L = 0x52C1
+
+
+@dataclass(frozen=True)
+class S2LConfig:
+    """The settings of :func:`s2l_plan` (defaults: S2L's where the paper gives them, else this small scale's).
+
+    Attributes:
+        seed: seed of proxy training order, K-means and sampling.
+        proxy_layers: decoder layers of the proxy (default half of the model's).
+        proxy_epochs: proxy training epochs over the full data.
+        n_checkpoints: evenly spaced checkpoints (trajectory length T).
+        n_clusters: K-means clusters (S2L: 100; clamped to N).
+        skip_size: clusters of at most this size are skipped.
+        lr / micro_batch_size: proxy training.
+        batch_tokens: padded tokens per loss forward.
+        autocast_dtype: e.g. ``torch.bfloat16`` on GPU.
+        token_balance: the random baseline's allocation option.
+    """
+
+    seed: int = 0
+    proxy_layers: int | None = None
+    proxy_epochs: int = 1
+    n_checkpoints: int = 4
+    n_clusters: int = 100
+    skip_size: int = 2
+    lr: float = 1e-3
+    micro_batch_size: int = MICRO_BATCH_SIZE
+    batch_tokens: int = LOSS_BATCH_TOKENS
+    autocast_dtype: torch.dtype | None = None
+    token_balance: bool = True
+
+    def replace(self, **overrides: Any) -> S2LConfig:
+        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
+        return apply_settings(S2LConfig, self, overrides, "s2l_plan")
+
+    def proxy_training(self, checkpoint_steps: list[int]) -> TrainLoopConfig:
+        """The proxy's :func:`~clusterlm.baselines._training.train_loop` settings."""
+        return TrainLoopConfig(epochs=self.proxy_epochs, lr=self.lr, micro_batch_size=self.micro_batch_size,
+                               seed=self.seed, checkpoint_steps=tuple(checkpoint_steps),
+                               autocast_dtype=self.autocast_dtype)
 
 
 def build_proxy(model: torch.nn.Module, n_layers: int | None = None) -> torch.nn.Module:
@@ -80,7 +129,7 @@ def build_proxy(model: torch.nn.Module, n_layers: int | None = None) -> torch.nn
 
 
 def balanced_cluster_sample(
-    labels: np.ndarray, count: int, *, seed: int = 0, skip_size: int = 2
+    labels: np.ndarray, count: int, *, seed: int = 0, skip_size: int = S2LConfig.skip_size
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """S2L's sampling (Alg. 1 lines 4-10): clusters smallest first, ``remaining // clusters_left`` each.
 
@@ -128,20 +177,11 @@ def s2l_plan(
     world_size: int,
     ratio: float | None = None,
     budget: int | None = None,
+    config: S2LConfig | None = None,
     *,
-    seed: int = 0,
-    proxy_layers: int | None = None,
-    proxy_epochs: int = 1,
-    n_checkpoints: int = 4,
-    n_clusters: int = 100,
-    skip_size: int = 2,
-    lr: float = 1e-3,
-    micro_batch_size: int = 8,
-    batch_tokens: int = 8192,
-    autocast_dtype: torch.dtype | None = None,
-    token_balance: bool = True,
     model_id: str = "",
     trajectories: np.ndarray | None = None,
+    **overrides: Any,
 ) -> Plan:
     """The S2L selection (module docstring), as a plan.
 
@@ -150,16 +190,8 @@ def s2l_plan(
         dataset: tokenised examples (:class:`clusterlm.data.SFTDataset` or example dicts).
         world_size: ranks K.
         ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
-        seed: seed of proxy training order, K-means and sampling.
-        proxy_layers: decoder layers of the proxy (default half of the model's).
-        proxy_epochs: proxy training epochs over the full data.
-        n_checkpoints: evenly spaced checkpoints (trajectory length T).
-        n_clusters: K-means clusters (S2L: 100; clamped to N).
-        skip_size: clusters of at most this size are skipped.
-        lr / micro_batch_size: proxy training.
-        batch_tokens: padded tokens per loss forward.
-        autocast_dtype: e.g. ``torch.bfloat16`` on GPU.
-        token_balance: the random baseline's allocation option.
+        config: the settings (:class:`S2LConfig`); ``overrides`` (any of its fields, e.g. ``n_clusters=50,
+            lr=1e-3``) are applied on top.
         model_id: recorded in the plan.
         trajectories: (N, T) precomputed loss trajectories (skips steps 1-2; for tests and reuse).
 
@@ -169,44 +201,49 @@ def s2l_plan(
 
     Raises:
         ValueError: bad budget / world size / proxy_layers, or ``trajectories`` of the wrong shape.
+        TypeError: an unknown setting (the message lists the settings).
     """
+    c = apply_settings(S2LConfig, config, overrides, "s2l_plan")
     t0 = time.perf_counter()
     n = len(dataset)
     count, stats = budget_count(n, world_size, ratio, budget, "s2l_plan")
     timings: dict[str, float] = {}
     if trajectories is None:
-        with stage(timings, "proxy_build"):
-            proxy = build_proxy(model, proxy_layers)
-        cols: list[np.ndarray] = []
-        steps_total = proxy_epochs * -(-n // micro_batch_size)
-        marks = sorted({max(1, round(steps_total * (j + 1) / n_checkpoints)) for j in range(n_checkpoints)})
-
-        def record(step: int, mean_lr: float, optimizer: Any) -> None:
-            with stage(timings, "losses"):
-                cols.append(example_losses(proxy, dataset, batch_tokens=batch_tokens, autocast_dtype=autocast_dtype))
-
-        t_train = time.perf_counter()
-        train_loop(proxy, dataset, np.arange(n), epochs=proxy_epochs, lr=lr, micro_batch_size=micro_batch_size,
-                   seed=seed, checkpoint_steps=marks, on_checkpoint=record, autocast_dtype=autocast_dtype)
-        timings["proxy_train"] = time.perf_counter() - t_train - timings.get("losses", 0.0)
-        trajectories = np.stack(cols, axis=1)
-        del proxy
+        trajectories = _loss_trajectories(model, dataset, c, timings)
     traj = np.asarray(trajectories, dtype=np.float64)
     if traj.ndim != 2 or traj.shape[0] != n:
         raise ValueError(f"s2l_plan: trajectories must have shape (N={n}, T), got {traj.shape}.")
-    k = min(int(n_clusters), n)
+    k = min(int(c.n_clusters), n)
     with stage(timings, "kmeans"):
-        result = capacity_kmeans(np.ascontiguousarray(traj), k, seed=seed, n_init=3)
+        result = capacity_kmeans(np.ascontiguousarray(traj), k, seed=c.seed, n_init=3)
     labels = np.asarray(result.labels, dtype=np.int64)
     with stage(timings, "sample"):
-        selected, sample_stats = balanced_cluster_sample(labels, count, seed=seed, skip_size=skip_size)
+        selected, sample_stats = balanced_cluster_sample(labels, count, seed=c.seed, skip_size=c.skip_size)
     stats.update(sample_stats)
     stats["trajectory_length"] = int(traj.shape[1])
-    config = {"method": "s2l", "ratio": None if ratio is None else float(ratio),
-              "budget": None if budget is None else int(budget), "n_clusters": k, "skip_size": int(skip_size),
-              "proxy_layers": proxy_layers, "proxy_epochs": int(proxy_epochs), "n_checkpoints": int(n_checkpoints),
-              "lr": float(lr), "micro_batch_size": int(micro_batch_size),
+    record = {"method": "s2l", "ratio": None if ratio is None else float(ratio),
+              "budget": None if budget is None else int(budget), "n_clusters": k, "skip_size": int(c.skip_size),
+              "proxy_layers": c.proxy_layers, "proxy_epochs": int(c.proxy_epochs),
+              "n_checkpoints": int(c.n_checkpoints), "lr": float(c.lr), "micro_batch_size": int(c.micro_batch_size),
               "source": "Yang et al., SmallToLarge (S2L), NeurIPS 2024, Algorithm 1"}
-    return make_plan(dataset, selected, world_size, seed=seed, config=config, stats=stats, timings=timings, t0=t0,
-                     model_id=model_id, token_balance=token_balance)
+    return make_plan(dataset, selected, world_size, seed=c.seed, config=record, stats=stats, timings=timings, t0=t0,
+                     model_id=model_id, token_balance=c.token_balance)
 
+
+def _loss_trajectories(model: torch.nn.Module, dataset: Any, c: S2LConfig, timings: dict[str, float]) -> np.ndarray:
+    """Steps 1-2: train the proxy, recording every example's loss at each checkpoint; (N, T) float64."""
+    n = len(dataset)
+    with stage(timings, "proxy_build"):
+        proxy = build_proxy(model, c.proxy_layers)
+    cols: list[np.ndarray] = []
+    steps_total = c.proxy_epochs * -(-n // c.micro_batch_size)
+    marks = sorted({max(1, round(steps_total * (j + 1) / c.n_checkpoints)) for j in range(c.n_checkpoints)})
+
+    def record(step: int, mean_lr: float, optimizer: Any) -> None:
+        with stage(timings, "losses"):
+            cols.append(example_losses(proxy, dataset, batch_tokens=c.batch_tokens, autocast_dtype=c.autocast_dtype))
+
+    t_train = time.perf_counter()
+    train_loop(proxy, dataset, np.arange(n), c.proxy_training(marks), on_checkpoint=record)
+    timings["proxy_train"] = time.perf_counter() - t_train - timings.get("losses", 0.0)
+    return np.stack(cols, axis=1)
