@@ -356,9 +356,10 @@ if has_triton():
         l_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
         z_y = tl.zeros((BLOCK_T,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        w_base = w_ptr  # advanced by BLOCK_V rows per step (64-bit pointer, 32-bit step)
+        p_base = p_ptr
         for v0 in range(0, V, BLOCK_V):
             mask_v = cols < V - v0
-            w_base = w_ptr + v0.to(tl.int64) * stride_wv
             logits = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
             for d0 in range(0, d, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -387,12 +388,14 @@ if has_triton():
             l_sum = l_sum * alpha + tl.sum(p_exp, axis=1)
             if HAS_PROJ:
                 pv = tl.load(
-                    p_ptr + v0.to(tl.int64) * stride_pv + cols[:, None] * stride_pv + offs_k[None, :] * stride_pk,
+                    p_base + cols[:, None] * stride_pv + offs_k[None, :] * stride_pk,
                     mask=mask_v[:, None] & mask_k[None, :],
                     other=0.0,
                 )
                 acc = acc * alpha[:, None] + tl.dot(p_exp, pv.to(tl.float32), input_precision=PRECISION)
+                p_base += BLOCK_V * stride_pv
             m = m_new
+            w_base += BLOCK_V * stride_wv
         if pid_k == 0:
             tl.store(lse_ptr + t0 + rows, m + tl.log(l_sum), mask=mask_t)
             tl.store(zy_ptr + t0 + rows, z_y, mask=mask_t)

@@ -350,8 +350,9 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
                    help="truncate examples to this many tokens")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--batch-tokens", type=_positive_int_arg, default=DEFAULT_BATCH_TOKENS,
-                   help="padded tokens per featurization forward")
+    p.add_argument("--batch-tokens", type=_positive_int_arg, default=None,
+                   help=f"padded tokens per featurization forward (default: {DEFAULT_BATCH_TOKENS} on CPU, from the "
+                   "free memory on CUDA)")
     p.add_argument("--device", default="auto",
                    help="where the model and features run: auto (CUDA when present; cuda:LOCAL_RANK under torchrun), "
                    "cpu, cuda, cuda:N")
@@ -421,6 +422,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-max-examples", type=int, default=None, help="evaluate on at most this many")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per training rank")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the selection model's weights (features, S2L/LESS proxies): auto (bfloat16 on a CUDA device "
+                   "that supports it, else float32), float32, bfloat16, float16; training keeps --bf16")
     p.add_argument("--s2l-clusters", type=int, default=100)
     p.add_argument("--s2l-epochs", type=int, default=1)
     p.add_argument("--less-epochs", type=int, default=4)

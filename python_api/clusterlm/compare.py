@@ -66,7 +66,7 @@ from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
 from clusterlm.engine import CKPT_DIR
 from clusterlm.metrics import SUMMARY
-from clusterlm.models import load_model
+from clusterlm.models import load_model, resolve_device
 from clusterlm.select import select
 from clusterlm.train import launch
 
@@ -87,8 +87,8 @@ N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) 
 
 def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
     keys = ("model", "ratio", "world_size", "epochs", "max_steps", "micro_batch_size", "lr", "warmup_ratio",
-            "max_length", "n_validation", "eval_max_examples", "threads", "device", "s2l_clusters", "s2l_epochs",
-            "less_epochs", "less_dim", "bf16", "lora_r", "chat_template")
+            "max_length", "n_validation", "eval_max_examples", "threads", "device", "dtype", "s2l_clusters",
+            "s2l_epochs", "less_epochs", "less_dim", "bf16", "lora_r", "chat_template")
     out = {k: getattr(args, k) for k in keys}
     out["data"] = str(Path(data_path).resolve())
     out["eval_data"] = str(Path(eval_path).resolve())
@@ -248,11 +248,12 @@ class _Session:
     @classmethod
     def load(cls, args: argparse.Namespace, data_path: str, eval_path: str,
              run_here: Callable[[list[str]], int] | None) -> _Session:
-        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = resolve_device(args.device)
+        use_cuda = device.type == "cuda"
         if not use_cuda:
             torch.set_num_threads(max(1, args.threads * args.world_size))
-        model, tokenizer, model_id = load_model(args.model)
-        model.to(torch.device("cuda" if use_cuda else "cpu"))
+        # the selection model (features, S2L's and LESS's proxies), straight onto its device in --dtype
+        model, tokenizer, model_id = load_model(args.model, device=device, dtype=getattr(args, "dtype", "auto"))
         rendering = CHAT_TEMPLATE_MODES[args.chat_template]
         data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False, chat_template=rendering)
         eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False,

@@ -456,6 +456,38 @@ class GradientFeaturizer:
         """True when a (activation-only) backward pass is needed: layers other than the lm head."""
         return bool(self._layers)
 
+    def auto_batch_tokens(self, free_bytes: int | None = None) -> int:
+        """Padded tokens per forward that fit the free memory of the model's device.
+
+        On the CPU (and without a CUDA device) this is :data:`DEFAULT_BATCH_TOKENS`. On CUDA, half of the free
+        memory (``torch.cuda.mem_get_info``, or ``free_bytes``) after the lm-head logits chunk
+        (``max_chunk_elems`` float32) is divided by an estimate of the bytes one token keeps alive: the
+        residual stream and one layer's attention and MLP activations (``hidden * 16 + intermediate * 3``
+        elements) for a forward-only feature (lm_head, paper), plus every layer's saved inputs
+        (``layers * (hidden * 12 + intermediate * 3)``) when an activation backward runs (all-linear, lora).
+        Rounded down to a multiple of 256, at least 256 and at most 262 144.
+
+        Args:
+            free_bytes: free device memory to plan for (default: measured on the model's CUDA device).
+
+        Returns:
+            Padded tokens per forward.
+        """
+        device = next(self.model.parameters()).device
+        if free_bytes is None:
+            if device.type != "cuda":
+                return DEFAULT_BATCH_TOKENS
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+        cfg = getattr(self.model, "config", None)
+        hidden = int(getattr(cfg, "hidden_size", self._lm_head.in_features))
+        inter = int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden)
+        layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
+        elem = next(self.model.parameters()).element_size()
+        per_token = hidden * 16 + inter * 3 + (layers * (hidden * 12 + inter * 3) if self.needs_backward else 0)
+        budget = free_bytes // 2 - self.max_chunk_elems * 4
+        tokens = int(budget // max(per_token * elem, 1))
+        return int(min(262_144, max(256, tokens // 256 * 256)))
+
     def config(self) -> dict[str, Any]:
         """JSON-serialisable description of everything that determines the features (stored in manifests)."""
         return {

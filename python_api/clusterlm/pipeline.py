@@ -40,7 +40,6 @@ from clusterlm._io import atomic_write_json, storage_errno, storage_error
 from clusterlm.config import ResolvedSelection, SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
 from clusterlm.distributed import DistributedClustering, featurize_sharded
-from clusterlm.features import DEFAULT_BATCH_TOKENS
 from clusterlm.launch import DistInfo, barrier, init_distributed, spawn, strip_options, under_torchrun
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
@@ -216,7 +215,7 @@ def _select(job: SelectJob, info: DistInfo | None) -> Plan:
 def _features(job: SelectJob, featurizer: Any, data: Any, store_dir: Path, info: DistInfo | None,
               show: bool) -> tuple[Any, Any, dict[str, Any]]:
     """The features of all examples, the clustering to use (None: in this process) and what the plan records."""
-    batch_tokens = job.config.batch_tokens or DEFAULT_BATCH_TOKENS
+    batch_tokens = job.config.batch_tokens or featurizer.auto_batch_tokens()  # None: from free device memory
     if info is None:
         return featurizer.featurize(data, batch_tokens=batch_tokens, store=store_dir, progress=show), None, {}
     part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,

@@ -74,7 +74,7 @@ from clusterlm.allocation import (
 from clusterlm.budget import count_for_tokens
 from clusterlm.config import ResolvedSelection, SelectConfig, check_lengths
 from clusterlm.data import fingerprint, lengths_of
-from clusterlm.features import DEFAULT_BATCH_TOKENS, GradientFeaturizer
+from clusterlm.features import GradientFeaturizer
 from clusterlm.models import compute_model_id
 from clusterlm.paper import authors_clustering, normalize_rows, paper_picks
 from clusterlm.picking import l2_normalize, pick_in_cluster
@@ -390,7 +390,7 @@ def select(
     s = config.resolve(n, lengths_of(dataset) if n else None)
     featurizer = build_featurizer(model, s, config, dtype=dtype)
     t0 = time.perf_counter()
-    feats = featurizer.featurize(dataset, batch_tokens=config.batch_tokens or DEFAULT_BATCH_TOKENS,
+    feats = featurizer.featurize(dataset, batch_tokens=config.batch_tokens or featurizer.auto_batch_tokens(),
                                  store=feature_store, progress=progress)
     timings = {"features": time.perf_counter() - t0}
     plan = select_from_features(

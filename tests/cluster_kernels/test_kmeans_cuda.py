@@ -1,7 +1,8 @@
-"""The CUDA path of capacity-constrained K-means (csrc/cuda/kmeans.cu).
+"""The CUDA path of capacity-constrained K-means (csrc/cuda: kmeans.cu, auction.cu, device_utils.cu).
 
-* ``test_kmeans_cu_compiles`` needs only a CUDA toolkit: it compiles the ``.cu`` file with the build's
-  nvcc flags (cluster_kernels/_cuda_build.py) and fails on a warning from our source.
+* ``test_cuda_source_compiles`` needs only a CUDA toolkit: it compiles every ``.cu`` file of csrc/cuda (the
+  ones setup.py builds) with the build's nvcc flags (cluster_kernels/_cuda_build.py) and fails on a warning
+  from our sources.
 * Every other test needs a CUDA GPU and an extension built with its CUDA part. The CUDA code repeats
   every decision of the C++/OpenMP path (csrc/cpu/kmeans.cpp), so on the same inputs the labels are
   the CPU's; costs are also checked against the float64 torch reference.
@@ -23,7 +24,7 @@ from cluster_kernels._cuda_build import find_nvcc, nvcc_command
 from cluster_kernels.kmeans import assign_ref
 
 REPO = Path(__file__).resolve().parents[2]
-CU_SOURCE = REPO / "csrc" / "cuda" / "kmeans.cu"
+CU_SOURCES = sorted((REPO / "csrc" / "cuda").glob("*.cu"))
 
 
 def _gpu_skip_reason() -> str | None:
@@ -44,19 +45,26 @@ needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 # --------------------------------------------------------------------------------------------------
 
 
+def test_every_cuda_source_is_built() -> None:
+    """setup.py compiles every .cu file of csrc/cuda (the split of the Lloyd driver, the auction, the helpers)."""
+    assert {p.name for p in CU_SOURCES} >= {"kmeans.cu", "auction.cu", "device_utils.cu"}
+    assert 'glob("*.cu")' in (REPO / "setup.py").read_text()
+
+
 @pytest.mark.skipif(
     find_nvcc() is None, reason="nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit"
 )
-def test_kmeans_cu_compiles(tmp_path: Path) -> None:
-    """kmeans.cu compiles with the build's flags (sm_90 machine code + PTX), without warnings of ours."""
-    obj = tmp_path / "kmeans.o"
+@pytest.mark.parametrize("source", CU_SOURCES, ids=[p.name for p in CU_SOURCES])
+def test_cuda_source_compiles(source: Path, tmp_path: Path) -> None:
+    """Each .cu file compiles with the build's flags (sm_90 machine code + PTX), without warnings of ours."""
+    obj = tmp_path / (source.stem + ".o")
     include = [REPO / "csrc", sysconfig.get_paths()["include"]]
-    cmd = nvcc_command(CU_SOURCE, obj, include, archs="90", extra=["-Xcompiler", "-Wall,-Wextra"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd = nvcc_command(source, obj, include, archs="90", extra=["-Xcompiler", "-Wall,-Wextra"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"nvcc failed ({' '.join(cmd)}):\n{log[-6000:]}"
-    ours = [line for line in log.splitlines() if "kmeans.cu" in line and "warning" in line.lower()]
-    assert not ours, "warnings in kmeans.cu:\n" + "\n".join(ours)
+    ours = [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()]
+    assert not ours, f"warnings in our sources ({source.name}):\n" + "\n".join(ours)
     assert obj.stat().st_size > 0
 
 
