@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -39,10 +40,19 @@ py::array_t<T> to_numpy(const std::vector<T>& v, std::vector<py::ssize_t> shape)
   return out;
 }
 
+// The BLAS of the distance tiles: None, or (address of cblas_sgemm, address of cblas_dgemm, ILP64) as
+// cluster_kernels._blas.gemm() gives them (an address may be 0).
+ck::Blas blas_of(const std::optional<std::tuple<uintptr_t, uintptr_t, bool>>& blas) {
+  ck::Blas b;
+  if (blas) std::tie(b.sgemm, b.dgemm, b.ilp64) = *blas;
+  return b;
+}
+
 template <typename T>
 py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, const carray<int64_t>& hi,
                     bool spherical, int n_init, int max_iter, double tol, uint64_t seed,
-                    std::optional<carray<T>> init, int n_threads) {
+                    std::optional<carray<T>> init, int n_threads,
+                    std::optional<std::tuple<uintptr_t, uintptr_t, bool>> blas) {
   if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D");
   const int64_t n = x.shape(0), d = x.shape(1);
   if (init && (init->ndim() != 2 || init->shape(0) != k || init->shape(1) != d))
@@ -57,6 +67,8 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
   p.tol = tol;
   p.seed = seed;
   p.n_threads = n_threads;
+  const ck::Blas gemm = blas_of(blas);
+  p.blas = &gemm;
   const T* init_ptr = init ? init->data() : nullptr;
   ck::KMeansOutput out;
   {
@@ -87,7 +99,8 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
 
 template <typename T>
 py::tuple assign_cpu(const carray<T>& x, const carray<T>& centroids, const carray<int64_t>& lo,
-                     const carray<int64_t>& hi, bool spherical, int n_threads) {
+                     const carray<int64_t>& hi, bool spherical, int n_threads,
+                     std::optional<std::tuple<uintptr_t, uintptr_t, bool>> blas) {
   if (x.ndim() != 2 || centroids.ndim() != 2 || centroids.shape(1) != x.shape(1))
     throw std::invalid_argument("x must be (n, d) and centroids (k, d)");
   const int64_t n = x.shape(0), d = x.shape(1), k = centroids.shape(0);
@@ -99,8 +112,9 @@ py::tuple assign_cpu(const carray<T>& x, const carray<T>& centroids, const carra
   double* dp = dist.mutable_data();
   {
     py::gil_scoped_release release;
+    const ck::Blas gemm = blas_of(blas);
     ck::assign_with_capacity_cpu<T>(x.data(), n, d, centroids.data(), k, lo_v.data(), hi_v.data(), spherical,
-                                    n_threads, lp, dp);
+                                    n_threads, lp, dp, &gemm);
   }
   return py::make_tuple(labels, dist);
 }
@@ -279,14 +293,14 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("kmeans_cpu", &kmeans_cpu<float>, py::arg("x"), py::arg("k"), py::arg("lo"), py::arg("hi"),
         py::arg("spherical"), py::arg("n_init"), py::arg("max_iter"), py::arg("tol"), py::arg("seed"),
-        py::arg("init") = py::none(), py::arg("n_threads") = 0);
+        py::arg("init") = py::none(), py::arg("n_threads") = 0, py::arg("blas") = py::none());
   m.def("kmeans_cpu", &kmeans_cpu<double>, py::arg("x"), py::arg("k"), py::arg("lo"), py::arg("hi"),
         py::arg("spherical"), py::arg("n_init"), py::arg("max_iter"), py::arg("tol"), py::arg("seed"),
-        py::arg("init") = py::none(), py::arg("n_threads") = 0);
+        py::arg("init") = py::none(), py::arg("n_threads") = 0, py::arg("blas") = py::none());
   m.def("assign_cpu", &assign_cpu<float>, py::arg("x"), py::arg("centroids"), py::arg("lo"), py::arg("hi"),
-        py::arg("spherical"), py::arg("n_threads") = 0);
+        py::arg("spherical"), py::arg("n_threads") = 0, py::arg("blas") = py::none());
   m.def("assign_cpu", &assign_cpu<double>, py::arg("x"), py::arg("centroids"), py::arg("lo"), py::arg("hi"),
-        py::arg("spherical"), py::arg("n_threads") = 0);
+        py::arg("spherical"), py::arg("n_threads") = 0, py::arg("blas") = py::none());
   m.def("auction_assign", &auction, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("force_general") = false,
         "Capacity-constrained assignment for a float64 (n, k) cost matrix: (labels, rounds, used_general).");
   m.def("auction_block", &auction_block, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("comm"),

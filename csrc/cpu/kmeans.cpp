@@ -2,6 +2,7 @@
 // See kmeans.h and the module docstring of cluster_kernels/kmeans.py for the algorithm.
 #include "cpu/kmeans.h"
 
+#include "cpu/blas.h"
 #include "cpu/thread_scope.h"
 
 #include <algorithm>
@@ -109,6 +110,8 @@ constexpr int lanes() {
 #define CK_TARGET_CLONES
 #endif
 
+// The portable distance kernels (used when no BLAS is registered, and for one centroid): rows [i0, i1) into
+// out[(i - i0) * k + j].
 // Many centroids: a register tile of kPts points x W centroids, the centroids transposed to a
 // (d, kp) panel so W consecutive centroids form one SIMD vector (GCC vector extension: one AVX
 // register in the x86-64-v3 clone, two SSE registers otherwise). Each output is a sum over t in
@@ -133,7 +136,7 @@ inline void sqdist_tile(const T* __restrict x, const double* xnorm, int64_t i0, 
       for (int p = 0; p < np; ++p) {
         for (int w = 0; w < W && j0 + w < k; ++w) {
           const double v = xnorm[i + p] + cnorm[j0 + w] - 2.0 * static_cast<double>(acc[p][w]);
-          out[(i + p) * k + j0 + w] = v > 0.0 ? v : 0.0;
+          out[(i - i0 + p) * k + j0 + w] = v > 0.0 ? v : 0.0;
         }
       }
     }
@@ -146,7 +149,7 @@ inline void sqdist_one(const T* __restrict x, const double* xnorm, int64_t i0, i
                        const T* __restrict c, const double* cnorm, double* out) {
   for (int64_t i = i0; i < i1; ++i) {
     const double v = xnorm[i] + cnorm[0] - 2.0 * static_cast<double>(dot_lanes<T, lanes<T>()>(x + i * d, c, d));
-    out[i] = v > 0.0 ? v : 0.0;
+    out[i - i0] = v > 0.0 ? v : 0.0;
   }
 }
 
@@ -182,25 +185,95 @@ constexpr int64_t tile_width() {
   return sizeof(T) == 4 ? 8 : 4;
 }
 
-// Distances of all rows of x to k centroids c (k, d) row-major. For k > 1 the centroids are first
-// transposed into a zero-padded (d, kp) panel.
+// Rows per distance tile. Fixed (never derived from the thread count): each tile is one single-threaded GEMM
+// on one OpenMP thread, so the products, hence the labels, do not depend on the number of threads.
+constexpr int64_t kTileRows = 256;
+
+// The centroids (k, d) of one distance pass in the layout of its kernel: with a BLAS, row-major as given (the
+// GEMM's B^T); without one, for k > 1, transposed into a zero-padded (d, kp) panel.
+template <typename T>
+struct Panel {
+  const T* c;
+  const double* cnorm;
+  int64_t k, kp;
+  const Blas* blas;  // null or without this type's GEMM: the portable tile loop
+  std::vector<T> transposed;
+
+  Panel(const T* c_, const double* cn, int64_t k_, int64_t d, const Blas* b)
+      : c(c_), cnorm(cn), k(k_), kp(1), blas(b && b->has<T>() && k_ > 1 ? b : nullptr) {
+    if (blas || k == 1) return;
+    kp = (k + tile_width<T>() - 1) / tile_width<T>() * tile_width<T>();
+    transposed.assign(static_cast<size_t>(d) * kp, T(0));
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < d; ++t) transposed[t * kp + j] = c[j * d + t];
+    c = transposed.data();
+  }
+  size_t scratch_size() const { return blas ? static_cast<size_t>(kTileRows * k) : 0; }
+};
+
+// Distances D_ij = max(0, |x_i|^2 + |c_j|^2 - 2 x_i.c_j) of rows [i0, i1) into out[(i - i0) * k + j]; with a
+// BLAS the dot products are one GEMM into `scratch` (kTileRows x k of T).
+template <typename T>
+void distance_tile(const T* x, const double* xnorm, int64_t i0, int64_t i1, int64_t d, const Panel<T>& pn,
+                   T* scratch, double* out) {
+  const int64_t k = pn.k;
+  if (!pn.blas) {
+    sqdist_block(x, xnorm, i0, i1, d, pn.c, pn.kp, pn.cnorm, k, out);
+    return;
+  }
+  pn.blas->gemm_nt(i1 - i0, k, d, x + i0 * d, d, pn.c, d, scratch, k);
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* dot = scratch + (i - i0) * k;
+    double* o = out + (i - i0) * k;
+    for (int64_t j = 0; j < k; ++j) {
+      const double v = xnorm[i] + pn.cnorm[j] - 2.0 * static_cast<double>(dot[j]);
+      o[j] = v > 0.0 ? v : 0.0;
+    }
+  }
+}
+
+// Distances of all rows of x to k centroids c (k, d) row-major, into out (n, k).
 template <typename T>
 void sqdist(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, const double* cnorm, int64_t k,
-            double* out) {
-  constexpr int64_t kBlock = 64;
-  const int64_t kp = k == 1 ? 1 : (k + tile_width<T>() - 1) / tile_width<T>() * tile_width<T>();
-  std::vector<T> panel;
-  const T* ct = c;
-  if (k > 1) {
-    panel.assign(static_cast<size_t>(d) * kp, T(0));
-    for (int64_t j = 0; j < k; ++j)
-      for (int64_t t = 0; t < d; ++t) panel[t * kp + j] = c[j * d + t];
-    ct = panel.data();
+            double* out, const Blas* blas) {
+  const Panel<T> pn(c, cnorm, k, d, blas);
+  const int64_t nb = (n + kTileRows - 1) / kTileRows;
+#pragma omp parallel
+  {
+    std::vector<T> scratch(pn.scratch_size());
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i0 = b * kTileRows;
+      distance_tile(x, xnorm, i0, std::min(n, i0 + kTileRows), d, pn, scratch.data(), out + i0 * k);
+    }
   }
-  const int64_t nb = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < nb; ++b) {
-    sqdist_block(x, xnorm, b * kBlock, std::min(n, (b + 1) * kBlock), d, ct, kp, cnorm, k, out);
+}
+
+// Without capacities the assignment is the argmin (the auction's answer at zero prices): tile by tile, the
+// nearest centroid (lowest index on ties), its distance own_new[i] and the distance to prev[i] (if given),
+// without an n x k matrix.
+template <typename T>
+void nearest(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, const double* cnorm, int64_t k,
+             const Blas* blas, const int64_t* prev, int64_t* labels, double* own_new, double* own_prev) {
+  const Panel<T> pn(c, cnorm, k, d, blas);
+  const int64_t nb = (n + kTileRows - 1) / kTileRows;
+#pragma omp parallel
+  {
+    std::vector<T> scratch(pn.scratch_size());
+    std::vector<double> tile(static_cast<size_t>(kTileRows * k));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i0 = b * kTileRows, i1 = std::min(n, i0 + kTileRows);
+      distance_tile(x, xnorm, i0, i1, d, pn, scratch.data(), tile.data());
+      for (int64_t i = i0; i < i1; ++i) {
+        const double* Di = tile.data() + (i - i0) * k;
+        int64_t best = 0;
+        for (int64_t j = 1; j < k; ++j) best = Di[j] < Di[best] ? j : best;
+        labels[i] = best;
+        own_new[i] = Di[best];
+        if (prev) own_prev[i] = Di[prev[i]];
+      }
+    }
   }
 }
 
@@ -335,11 +408,12 @@ void normalise_rows(std::vector<double>& c, int64_t k, int64_t d) {
 // Squared distance of every row of x to one row `r` of x (for k-means++).
 template <typename T>
 void dist_to_row(const Prepared<T>& p, int64_t n, int64_t d, int64_t r, std::vector<double>& out) {
-  sqdist(p.x.data(), p.xnorm.data(), n, d, p.x.data() + r * d, p.xnorm.data() + r, 1, out.data());
+  sqdist(p.x.data(), p.xnorm.data(), n, d, p.x.data() + r * d, p.xnorm.data() + r, 1, out.data(), nullptr);
 }
 
 template <typename T>
-std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, int64_t k, SplitMix64& rng) {
+std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, int64_t k, SplitMix64& rng,
+                                    const Blas* blas) {
   const int trials = 2 + static_cast<int>(std::log(static_cast<double>(k)));
   std::vector<double> centers(static_cast<size_t>(k) * d);
   auto put = [&](int64_t j, int64_t row) {
@@ -366,7 +440,7 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
       std::copy(p.x.begin() + cands[t] * d, p.x.begin() + (cands[t] + 1) * d, cand_rows.begin() + t * d);
       cand_norm[t] = p.xnorm[cands[t]];
     }
-    sqdist(p.x.data(), p.xnorm.data(), n, d, cand_rows.data(), cand_norm.data(), trials, cand_d.data());
+    sqdist(p.x.data(), p.xnorm.data(), n, d, cand_rows.data(), cand_norm.data(), trials, cand_d.data(), blas);
     double best_pot = kInf;
     int best_t = -1;
     for (int t = 0; t < trials; ++t) {
@@ -466,6 +540,133 @@ double exact_own_distances(const Prepared<T>& p, int64_t n, int64_t d, const std
   return chunked_sum(n, [&](int64_t i) { return own[i]; });
 }
 
+// One assignment step of the Lloyd loop: the problem, and the buffers reused across iterations.
+template <typename T>
+struct Step {
+  const Prepared<T>& prep;
+  int64_t n, d, k;
+  const int64_t *lo, *hi;
+  const Blas* blas;
+  bool unconstrained;         // no bound can bind: the assignment is the argmin, no n x k matrix is kept
+  std::vector<double> dist;   // (n, k) costs for the auction (empty when unconstrained)
+  std::vector<double> own_prev;
+  std::vector<T> ct;
+  std::vector<double> cn;
+  PhaseTimes& ph;
+  Stopwatch& watch;
+
+  Step(const Prepared<T>& p, int64_t n_, int64_t d_, int64_t k_, const int64_t* lo_, const int64_t* hi_,
+       const Blas* b, PhaseTimes& ph_, Stopwatch& w)
+      : prep(p), n(n_), d(d_), k(k_), lo(lo_), hi(hi_), blas(b), unconstrained(true), own_prev(n_), ph(ph_),
+        watch(w) {
+    for (int64_t j = 0; j < k; ++j) unconstrained = unconstrained && lo[j] <= 0 && hi[j] >= n;
+    if (!unconstrained) dist.resize(static_cast<size_t>(n) * k);
+  }
+
+  // New labels for the centroids `cent` and their distances `own`: the optimal assignment, unless the previous
+  // labels `labels` (empty at first) cost less. Returns the objective of the labels kept.
+  double assign(const std::vector<double>& cent, AuctionState& prices, std::vector<int64_t>& labels,
+                std::vector<int64_t>& new_labels, std::vector<double>& own, int64_t& rounds) {
+    to_T(cent, k, d, ct, cn);
+    const int64_t* prev = labels.empty() ? nullptr : labels.data();
+    if (unconstrained) {
+      nearest(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, blas, prev, new_labels.data(),
+              own.data(), own_prev.data());
+      ph.distance += watch.lap();
+    } else {
+      sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
+      ph.distance += watch.lap();
+      rounds += auction_assign(dist.data(), n, k, lo, hi, prices, new_labels.data());
+      ph.auction += watch.lap();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        own[i] = dist[i * k + new_labels[i]];
+        if (prev) own_prev[i] = dist[i * k + prev[i]];
+      }
+    }
+    double cost = chunked_sum(n, [&](int64_t i) { return own[i]; });
+    if (prev) {
+      const double before = chunked_sum(n, [&](int64_t i) { return own_prev[i]; });
+      if (cost > before) {
+        new_labels = labels;
+        own.swap(own_prev);
+        cost = before;
+      }
+    }
+    ph.objective += watch.lap();
+    return cost;
+  }
+};
+
+// One restart's outcome.
+struct Run {
+  std::vector<int64_t> labels;
+  std::vector<double> cent, history;
+  int n_iter = 0;
+  bool converged = false;
+  int64_t rounds = 0;
+};
+
+// The Lloyd loop of one restart from the centroids `cent` (prepared frame).
+template <typename T>
+Run lloyd(Step<T>& step, std::vector<double> cent, const KMeansParams& p) {
+  Run r;
+  AuctionState prices;
+  std::vector<int64_t> new_labels(step.n);
+  std::vector<double> own(step.n);
+  for (r.n_iter = 1; r.n_iter <= p.max_iter; ++r.n_iter) {
+    const double cost = step.assign(cent, prices, r.labels, new_labels, own, r.rounds);
+    const bool same = !r.labels.empty() && new_labels == r.labels;
+    const double improved = r.history.empty() ? kInf : r.history.back() - cost;
+    const double ref = r.history.empty() ? cost : r.history.back();
+    r.labels = new_labels;
+    r.history.push_back(cost);
+    update_centroids(step.prep, step.n, step.d, step.k, r.labels, own, p.spherical, cent);
+    step.ph.update += step.watch.lap();
+    if (same || improved <= p.tol * std::fabs(ref)) {
+      r.converged = true;
+      break;
+    }
+  }
+  if (r.n_iter > p.max_iter) r.n_iter = p.max_iter;
+  r.cent = std::move(cent);
+  return r;
+}
+
+// Initial centroids of restart `run` in the prepared frame: `init` centred, or k-means++.
+template <typename T>
+std::vector<double> start_centroids(const Prepared<T>& prep, int64_t n, int64_t d, const T* init, int run,
+                                    const KMeansParams& p) {
+  const int64_t k = p.k;
+  std::vector<double> cent;
+  if (init) {
+    cent.resize(static_cast<size_t>(k) * d);
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < d; ++t) cent[j * d + t] = static_cast<double>(init[j * d + t]) - prep.mean[t];
+  } else {
+    SplitMix64 rng(run_seed(p.seed, static_cast<uint64_t>(run)));
+    cent = kmeans_plusplus(prep, n, d, k, rng, p.blas);
+  }
+  if (p.spherical) normalise_rows(cent, k, d);
+  check_range<T>("capacity_kmeans", "init", max_abs(cent));
+  return cent;
+}
+
+// The best restart in the caller's frame: distances, inertia and history scaled (cosine: halved), centroids
+// uncentred.
+void finish(KMeansOutput& best, double best_final, const std::vector<double>& best_cent,
+            const std::vector<double>& mean, int64_t k, int64_t d, bool spherical) {
+  // Every restart's objective was NaN: nothing to return (best_cent is empty).
+  if (best_cent.empty()) throw std::invalid_argument("capacity_kmeans: no finite objective (x out of range)");
+  const double scale = spherical ? 0.5 : 1.0;  // |a - b|^2 = 2 (1 - cos) for unit vectors
+  best.inertia = best_final * scale;
+  for (double& v : best.distances) v *= scale;
+  for (double& v : best.history) v *= scale;
+  best.centroids.resize(static_cast<size_t>(k) * d);
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t t = 0; t < d; ++t) best.centroids[j * d + t] = best_cent[j * d + t] + mean[t];
+}
+
 }  // namespace
 
 template <typename T>
@@ -478,95 +679,38 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
   if (init) check_finite("capacity_kmeans", "init", init, k, d);
   Prepared<T> prep = prepare("capacity_kmeans", x, n, d, p.spherical);
   ph.prepare += watch.lap();
-  std::vector<double> dist(static_cast<size_t>(n) * k);
-  std::vector<T> ct;
-  std::vector<double> cn;
-
+  Step<T> step(prep, n, d, k, lo, hi, p.blas, ph, watch);
   KMeansOutput best;
   double best_final = kInf;
   std::vector<double> best_cent;
   const int runs = init ? 1 : p.n_init;
   for (int run = 0; run < runs; ++run) {
-    std::vector<double> cent;
-    if (init) {
-      cent.resize(static_cast<size_t>(k) * d);
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t t = 0; t < d; ++t)
-          cent[j * d + t] = static_cast<double>(init[j * d + t]) - prep.mean[t];
-    } else {
-      SplitMix64 rng(run_seed(p.seed, static_cast<uint64_t>(run)));
-      cent = kmeans_plusplus(prep, n, d, k, rng);
-    }
-    if (p.spherical) normalise_rows(cent, k, d);
-    check_range<T>("capacity_kmeans", "init", max_abs(cent));
+    std::vector<double> cent = start_centroids(prep, n, d, init, run, p);
     ph.init += watch.lap();
-
-    AuctionState prices;
-    std::vector<int64_t> labels, new_labels(n);
-    std::vector<double> own(n), history;
-    bool converged = false;
-    int it = 0;
-    int64_t rounds = 0;
-    for (it = 1; it <= p.max_iter; ++it) {
-      to_T(cent, k, d, ct, cn);
-      sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data());
-      ph.distance += watch.lap();
-      rounds += auction_assign(dist.data(), n, k, lo, hi, prices, new_labels.data());
-      ph.auction += watch.lap();
-      double cost = chunked_sum(n, [&](int64_t i) { return dist[i * k + new_labels[i]]; });
-      if (!labels.empty()) {
-        const double prev = chunked_sum(n, [&](int64_t i) { return dist[i * k + labels[i]]; });
-        if (cost > prev) {
-          new_labels = labels;
-          cost = prev;
-        }
-      }
-      const bool same = !labels.empty() && new_labels == labels;
-      const double improved = history.empty() ? kInf : history.back() - cost;
-      const double ref = history.empty() ? cost : history.back();
-      labels = new_labels;
-      history.push_back(cost);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) own[i] = dist[i * k + labels[i]];
-      ph.objective += watch.lap();
-      update_centroids(prep, n, d, k, labels, own, p.spherical, cent);
-      ph.update += watch.lap();
-      if (same || improved <= p.tol * std::fabs(ref)) {
-        converged = true;
-        break;
-      }
-    }
-    if (it > p.max_iter) it = p.max_iter;
+    Run r = lloyd(step, std::move(cent), p);
     std::vector<double> exact;
-    const double final_cost = exact_own_distances(prep, n, d, cent, labels, exact);
+    const double final_cost = exact_own_distances(prep, n, d, r.cent, r.labels, exact);
     ph.finish += watch.lap();
     if (final_cost < best_final) {
       best_final = final_cost;
-      best.labels = labels;
-      best.distances = exact;
-      best.history = history;
-      best.n_iter = it;
-      best.converged = converged;
-      best.auction_rounds = rounds;
-      best_cent = cent;
+      best.labels = std::move(r.labels);
+      best.distances = std::move(exact);
+      best.history = std::move(r.history);
+      best.n_iter = r.n_iter;
+      best.converged = r.converged;
+      best.auction_rounds = r.rounds;
+      best_cent = std::move(r.cent);
     }
   }
-  // Every restart's objective was NaN: nothing to return (best_cent is empty).
-  if (best_cent.empty()) throw std::invalid_argument("capacity_kmeans: no finite objective (x out of range)");
+  finish(best, best_final, best_cent, prep.mean, k, d, p.spherical);
   best.seconds = ph;
-  const double scale = p.spherical ? 0.5 : 1.0;  // |a - b|^2 = 2 (1 - cos) for unit vectors
-  best.inertia = best_final * scale;
-  for (double& v : best.distances) v *= scale;
-  for (double& v : best.history) v *= scale;
-  best.centroids.resize(static_cast<size_t>(k) * d);
-  for (int64_t j = 0; j < k; ++j)
-    for (int64_t t = 0; t < d; ++t) best.centroids[j * d + t] = best_cent[j * d + t] + prep.mean[t];
   return best;
 }
 
 template <typename T>
 void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroids, int64_t k, const int64_t* lo,
-                              const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances) {
+                              const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances,
+                              const Blas* blas) {
   ThreadScope threads(n_threads);
   check_finite("assign_with_capacity", "centroids", centroids, k, d);
   Prepared<T> prep = prepare("assign_with_capacity", x, n, d, spherical);
@@ -579,7 +723,7 @@ void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroi
   std::vector<double> cn;
   to_T(cent, k, d, ct, cn);
   std::vector<double> dist(static_cast<size_t>(n) * k);
-  sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data());
+  sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
   AuctionState prices;
   auction_assign(dist.data(), n, k, lo, hi, prices, labels);
   std::vector<int64_t> lab(labels, labels + n);
@@ -594,8 +738,9 @@ template KMeansOutput capacity_kmeans_cpu<float>(const float*, int64_t, int64_t,
 template KMeansOutput capacity_kmeans_cpu<double>(const double*, int64_t, int64_t, const int64_t*, const int64_t*,
                                                   const double*, const KMeansParams&);
 template void assign_with_capacity_cpu<float>(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*,
-                                              const int64_t*, bool, int, int64_t*, double*);
+                                              const int64_t*, bool, int, int64_t*, double*, const Blas*);
 template void assign_with_capacity_cpu<double>(const double*, int64_t, int64_t, const double*, int64_t,
-                                               const int64_t*, const int64_t*, bool, int, int64_t*, double*);
+                                               const int64_t*, const int64_t*, bool, int, int64_t*, double*,
+                                               const Blas*);
 
 }  // namespace cluster_kernels

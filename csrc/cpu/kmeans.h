@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/blas.h"
+
 namespace cluster_kernels {
 
 // Auction constants: fractions of the cost range (mirrors EPS_* in cluster_kernels/kmeans.py).
@@ -30,6 +32,7 @@ struct KMeansParams {
   double tol = 1e-4;      // relative objective decrease below which a restart stops
   uint64_t seed = 0;      // splitmix64 seed
   int n_threads = 0;      // OpenMP threads (0: the OpenMP default)
+  const Blas* blas = nullptr;  // distance tiles through this BLAS (null: the portable tile loop)
 };
 
 // Wall seconds per phase of capacity_kmeans_cpu, summed over restarts and Lloyd iterations.
@@ -77,7 +80,8 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
 // Assignment to fixed centroids (k, d). Writes labels and distances (n,).
 template <typename T>
 void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroids, int64_t k, const int64_t* lo,
-                              const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances);
+                              const int64_t* hi, bool spherical, int n_threads, int64_t* labels, double* distances,
+                              const Blas* blas = nullptr);
 
 // The splitmix64 stream shared with the Python reference and the CUDA path.
 struct SplitMix64 {

@@ -274,30 +274,10 @@ def train_argv(args: argparse.Namespace, *, for_ranks: bool = False) -> list[str
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """``clusterlm train``: run with a namespace that :func:`add_train_args` filled; returns the exit status.
-
-    Argument errors (bad options or plan, world-size mismatch, data the plan was not made for, an out
-    directory holding another run or in use by a live one) print one line ``clusterlm train: error: ...``
-    and return 2; a full disk (or quota, file size limit, I/O error) prints one line naming the file and
-    returns 1. In a rank of ``clusterlm train --nproc N`` every failure, a crash too, is one line that the
-    launcher prints for the rank that failed first (:func:`clusterlm.launch.report_failure`); a crash alone
-    in a process keeps its traceback.
-    """
-    try:
-        return trainer.run(args, train_argv(args, for_ranks=True),
-                           build_plan=baseline_plan if is_baseline_spec(args.plan) else None)
-    except (ValueError, FileNotFoundError, LockedError) as e:
-        return report_failure(str(e), 2, e, prefix="clusterlm train")
-    except StorageError as e:
-        return report_failure(str(e), 1, e, prefix="clusterlm train")
-    except Exception as e:
-        if not reported_by_launcher():
-            raise
-        return report_failure(f"{type(e).__name__}: {e}", 1, e, keep_traceback=True, prefix="clusterlm train")
-    except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one line from the one process, none from ranks
-        if not under_torchrun():
-            print("clusterlm train: interrupted", file=sys.stderr, flush=True)
-        return 130
+    """``clusterlm train`` (errors: :func:`main`'s map; in a rank of ``--nproc N`` every failure is one line that
+    the launcher prints for the rank that failed first, :func:`clusterlm.launch.report_failure`)."""
+    return trainer.run(args, train_argv(args, for_ranks=True),
+                       build_plan=baseline_plan if is_baseline_spec(args.plan) else None)
 
 
 def train_here(argv: list[str]) -> int:
@@ -434,18 +414,14 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """``clusterlm compare``: run it, print the table; argument errors print one line and return 2."""
+    """``clusterlm compare``: run it, print the table (a failed training run: exit 1, its output is above)."""
     try:
         result = run_compare(args, run_here=train_here)
-    except ValueError as e:
-        print(f"clusterlm compare: error: {e}", file=sys.stderr, flush=True)
-        return 2
     except RuntimeError as e:
         print(f"clusterlm compare: {e}", file=sys.stderr, flush=True)
         return 1
     print("\n" + markdown_table(result))
-    out = Path(args.out)
-    print(f"\nwritten: {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
+    print(f"\nwritten: {Path(args.out) / 'compare.json'}, compare.md, compare.png")
     return 0
 
 

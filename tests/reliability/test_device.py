@@ -13,21 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusterlm import cli, pipeline
+from cli_helpers import nonblank_lines, run_cli
+
+from clusterlm import pipeline
 from clusterlm.config import SelectConfig
 from clusterlm.features import DEFAULT_BATCH_TOKENS, GradientFeaturizer
 from clusterlm.models import load_model, resolve_device, resolve_dtype
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-
-
-def nonblank_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
 
 
 def test_auto_is_the_cpu_without_cuda(monkeypatch):
