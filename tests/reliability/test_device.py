@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_helpers import nonblank_lines, run_cli
 
 from clusterlm import pipeline
