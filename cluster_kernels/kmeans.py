@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cluster_kernels import _backend
+from cluster_kernels import _backend, _blas
 from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable from here
     METRICS,
     DataScale,
@@ -552,7 +552,8 @@ def _native_kmeans(choice: str, x: Any, t: torch.Tensor, k: int, lo: np.ndarray,
         mod = _backend.require_cpu_native("capacity_kmeans")
         xn = t.contiguous().numpy()
         init_n = init.to(t.dtype).contiguous().cpu().numpy() if init is not None else None
-        out = mod.kmeans_cpu(xn, k, lo, hi, spherical, n_init, max_iter, tol, seed_u64, init_n, 0)
+        with _blas.one_thread():
+            out = mod.kmeans_cpu(xn, k, lo, hi, spherical, n_init, max_iter, tol, seed_u64, init_n, 0, _blas.gemm())
         return _result_from_native(
             x, t, k, torch.from_numpy(out["labels"]), torch.from_numpy(out["centroids"]),
             torch.from_numpy(out["distances"]), out, scale, spherical,
@@ -581,9 +582,10 @@ def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int
     sq = (lambda v: v) if spherical else scale.up_sq
     if choice == "cpu":
         mod = _backend.require_cpu_native("assign_with_capacity")
-        labels, dist = mod.assign_cpu(
-            t.contiguous().numpy(), c.to(t.dtype).contiguous().cpu().numpy(), lo, hi, spherical, 0
-        )
+        with _blas.one_thread():
+            labels, dist = mod.assign_cpu(
+                t.contiguous().numpy(), c.to(t.dtype).contiguous().cpu().numpy(), lo, hi, spherical, 0, _blas.gemm()
+            )
         return _to_output(x, torch.from_numpy(labels)), _to_output(x, sq(torch.from_numpy(dist)).to(t.dtype))
     mod = _backend.require_cuda_native("assign_with_capacity")
     xc = t.contiguous()

@@ -83,6 +83,10 @@ def _check_inputs(
     if mode not in LM_HEAD_MODES:
         raise ValueError(f"{_OP}: mode must be one of {LM_HEAD_MODES}, got {mode!r}.")
     _check_h_and_weight(h, weight)
+    for name, t in (("labels", labels), ("bias", bias), ("p_in", p_in), ("p_out", p_out),
+                    ("token_weights", token_weights), ("out", out)):
+        if isinstance(t, torch.Tensor) and t.device != h.device:  # before anything reads the data
+            raise ValueError(f"{_OP}: {name} is on {t.device} but h is on {h.device}; move all inputs to one device.")
     n_tok, d = h.shape
     vocab = weight.shape[0]
     _check_labels(labels, h, vocab)

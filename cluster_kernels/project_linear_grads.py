@@ -119,8 +119,8 @@ def _check_inputs(
             raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
     if x.dtype != g.dtype:
         raise TypeError(f"{_OP}: x and g must have the same dtype, got x {x.dtype} and g {g.dtype}; cast one of them.")
-    for name, t in (("g", g), ("p_in", p_in), ("p_out", p_out)):
-        if t.device != x.device:
+    for name, t in (("g", g), ("p_in", p_in), ("p_out", p_out), ("token_weights", token_weights), ("out", out)):
+        if isinstance(t, torch.Tensor) and t.device != x.device:  # before anything reads the data
             raise ValueError(f"{_OP}: {name} is on {t.device} but x is on {x.device}; move all inputs to one device.")
     n_tok, d_in = x.shape
     if g.shape[0] != n_tok:
@@ -136,16 +136,12 @@ def _check_inputs(
             raise TypeError(f"{_OP}: token_weights must be a floating torch.Tensor of shape (N_tok,) or None.")
         if token_weights.shape != (n_tok,):
             raise ValueError(f"{_OP}: token_weights must have shape ({n_tok},), got {tuple(token_weights.shape)}.")
-        if token_weights.device != x.device:
-            raise ValueError(f"{_OP}: token_weights is on {token_weights.device} but x is on {x.device}.")
     if out is not None:
         expected = (len(cu) - 1, p_out.shape[1], p_in.shape[1])
         if not isinstance(out, torch.Tensor) or out.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"{_OP}: out must be a float32 (or float64) torch.Tensor of shape {expected}.")
         if tuple(out.shape) != expected:
             raise ValueError(f"{_OP}: out must have shape (B, k_o, k_i)={expected}, got {tuple(out.shape)}.")
-        if out.device != x.device:
-            raise ValueError(f"{_OP}: out is on {out.device} but x is on {x.device}.")
     return cu
 
 

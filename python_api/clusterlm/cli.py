@@ -27,7 +27,7 @@ from typing import NoReturn
 from clusterlm import train as trainer
 from clusterlm._io import LockedError, StorageError
 from clusterlm.baselines import baseline_plan, is_baseline_spec
-from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, run_compare
+from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, parse_methods, run_compare
 from clusterlm.config import CLUSTERINGS, SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH
 from clusterlm.export import export_files
@@ -230,6 +230,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype the weights are loaded in")
     g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per decoder "
+                   "block; bf16 compute with float32 reduction when --bf16 is on): for models whose DDP replica with "
+                   "its gradients and optimizer state does not fit one GPU")
     g.add_argument("--lora-r", type=_non_negative_int_arg, default=0, help="LoRA rank (0: full fine-tuning)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * r)")
     g.add_argument("--lora-dropout", type=float, default=0.0)
@@ -346,11 +350,11 @@ def _add_select_args(p: argparse.ArgumentParser) -> None:
 
 
 def _methods_arg(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [m for m in names if m not in METHODS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
-    return names
+    """Method names or variants with selection settings: ``random,cluster,cluster[feature_tokens=32]``."""
+    try:
+        return parse_methods(value)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("compare: ")) from None
 
 
 def _seeds_arg(value: str) -> list[int]:
@@ -378,7 +382,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
     p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
     p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
-    p.add_argument("--methods", type=_methods_arg, default=list(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--methods", type=_methods_arg, default=list(METHODS),
+                   help=f"comma list of {', '.join(METHODS)}; a cluster method may carry selection settings, e.g. "
+                   "cluster[feature_tokens=32] or cluster[within_cluster=kcenter,features=all-linear] (its label)")
     p.add_argument("--seeds", type=_seeds_arg, default=[0, 1, 2],
                    help="a count (3 = seeds 0,1,2) or a comma list of seeds (0,5,7); one chosen seed: a trailing "
                    "comma (5, = seed 5 only)")
@@ -394,6 +400,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="bf16 autocast in training (auto: on CUDA); passed to the trainer")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank for training (0: full fine-tuning)")
+    p.add_argument("--fsdp", action="store_true", help="train with FSDP2 sharding (clusterlm train --fsdp)")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="render prompt/response data through the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--n-validation", type=int, default=None,

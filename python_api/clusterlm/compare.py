@@ -49,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -60,20 +61,23 @@ import numpy as np
 import torch
 
 from clusterlm._io import atomic_write_text
-from clusterlm.baselines import full_plan, ifd_plan, less_plan, random_plan, s2l_plan
+from clusterlm.baselines import full_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
 from clusterlm.config import SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
-from clusterlm.engine import CKPT_DIR
+from clusterlm.engine import CKPT_DIR, EVAL_EXAMPLES
 from clusterlm.metrics import SUMMARY
 from clusterlm.models import load_model, resolve_device
 from clusterlm.select import select
+from clusterlm.store import FeatureStore
+from clusterlm.stats import Delta, bootstrap_delta, interval_text, seeds_to_resolve
 from clusterlm.train import launch
 
-__all__ = ["METHODS", "N_VALIDATION", "STATE", "goals", "markdown_table", "read_state", "run_compare", "summarize"]
+__all__ = ["EVAL_LOSSES", "METHODS", "N_VALIDATION", "STATE", "MethodSpec", "goals", "markdown_table", "parse_method",
+           "parse_methods", "read_state", "run_compare", "summarize", "verdicts"]
 
-METHODS = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "cluster-paper-exact",
-           "s2l", "ifd", "less")
+METHODS = ("full", "random", "longest", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper",
+           "cluster-paper-exact", "s2l", "ifd", "less")
 CLUSTER_METHODS = {  # compare method -> select() arguments besides the budget
     "cluster": {},
     "cluster-tokens": {},
@@ -82,7 +86,126 @@ CLUSTER_METHODS = {  # compare method -> select() arguments besides the budget
     "cluster-paper-exact": {"preset": "paper", "clustering": "exact"},
 }
 STATE = "compare_state.jsonl"
+EVAL_LOSSES = "eval_losses.json"  # every unit's per-example held-out losses, next to compare.json
+FEATURES = "features"  # OUT/features/<key>: feature stores shared by the cluster units with the same feature settings
+# Settings compare itself gives every selection: a method variant may not set them.
+COMPARE_SETS = ("world_size", "ratio", "budget", "token_ratio", "token_budget", "seed")
+N_BOOT = 2000  # bootstrap replicates of every interval
 N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) when --n-validation is not given
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One ``--methods`` entry: a method name and, for the cluster methods, selection settings.
+
+    Attributes:
+        label: the entry as written (``cluster[feature_tokens=32]``): its name in every table.
+        base: the method (:data:`METHODS`).
+        overrides: :class:`clusterlm.SelectConfig` settings on top of the method's own (cluster methods only).
+    """
+
+    label: str
+    base: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def slug(self) -> str:
+        """The label as a file name (run directories)."""
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.label).strip("_")
+
+
+def _split_top(value: str, sep: str = ",") -> list[str]:
+    """Split at ``sep`` outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in value:
+        depth += (ch == "[") - (ch == "]")
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur]
+
+
+def _setting_value(text: str) -> Any:
+    """``32`` -> 32, ``0.5`` -> 0.5, ``true``/``false`` -> bool, ``none`` -> None, anything else the string."""
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(spec: str) -> MethodSpec:
+    """``name`` or ``name[key=value,...]`` as a :class:`MethodSpec`; the settings are checked by
+    :class:`clusterlm.SelectConfig` (names and values) without any data.
+
+    Raises:
+        ValueError: an unknown method, settings on a method that is not a cluster method, a malformed setting,
+            a setting compare gives itself (budget, world size, seed), or a value the selection refuses.
+        TypeError: an unknown setting name.
+    """
+    label = spec.strip()
+    m = re.fullmatch(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?", label)
+    if m is None or m.group(1) not in METHODS:
+        raise ValueError(f"compare: unknown method {label!r}; choose from {', '.join(METHODS)}, optionally with "
+                         "selection settings: cluster[feature_tokens=32].")
+    base, body = m.group(1), m.group(2)
+    if body is None:
+        return MethodSpec(label, base)
+    if base not in CLUSTER_METHODS:
+        raise ValueError(f"compare: method {label!r}: only the cluster methods ({', '.join(CLUSTER_METHODS)}) take "
+                         "selection settings in brackets.")
+    overrides: dict[str, Any] = {}
+    for item in (i.strip() for i in _split_top(body.replace(";", ","))):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip() or not text.strip():
+            raise ValueError(f"compare: method {label!r}: settings are key=value, got {item!r}; e.g. "
+                             "cluster[feature_tokens=32,within_cluster=kcenter].")
+        overrides[key.strip()] = _setting_value(text.strip())
+    fixed = sorted(set(overrides) & set(COMPARE_SETS))
+    if fixed:
+        raise ValueError(f"compare: method {label!r} sets {', '.join(fixed)}, which compare sets for every method; "
+                         "use --ratio/--ratios, --world-size, --seeds instead.")
+    out = MethodSpec(label, base, tuple(sorted(overrides.items())))
+    _check_variant(out, 1, 0.5)  # names (TypeError) and values, before any data or model
+    return out
+
+
+def _check_variant(spec: MethodSpec, world_size: int, ratio: float) -> None:
+    """The variant's settings as :class:`SelectConfig` checks them (errors name the method as written)."""
+    try:
+        _method_config(spec, world_size, ratio, 0).check()
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"compare: method {spec.label!r}: {str(e).removeprefix('select: ')}") from None
+
+
+def parse_methods(value: str) -> list[str]:
+    """A ``--methods`` value (comma list, commas inside brackets belong to a method's settings) as labels.
+
+    Raises:
+        ValueError / TypeError: an empty list, a method given twice, or a bad entry (:func:`parse_method`).
+    """
+    labels = [parse_method(v).label for v in _split_top(value) if v.strip()]
+    if not labels:
+        raise ValueError(f"compare: --methods needs at least one method, got {value!r}.")
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise ValueError(f"compare: --methods lists {', '.join(twice)} more than once.")
+    return labels
+
+
+def _method_config(spec: MethodSpec, world_size: int, ratio: float, seed: int) -> SelectConfig:
+    """The :class:`SelectConfig` of a cluster method at this budget and seed."""
+    budget = {"token_ratio": ratio} if spec.base == "cluster-tokens" else {"ratio": ratio}
+    return SelectConfig(world_size=world_size, seed=seed, **CLUSTER_METHODS[spec.base], **budget).replace(
+        **dict(spec.overrides))
 
 
 def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
@@ -120,17 +243,20 @@ def _append_state(path: Path, record: dict[str, Any]) -> None:
 
 
 def _select(method: str, model: Any, data: Any, validation: Any, args: argparse.Namespace, seed: int,
-            model_id: str) -> Any:
-    """The plan of ``method`` (the call that is timed)."""
+            model_id: str, feature_store: Path | None = None) -> Any:
+    """The plan of ``method`` (a :data:`METHODS` name or a variant, :func:`parse_method`; the call that is timed)."""
     ws, ratio = args.world_size, args.ratio
+    spec = parse_method(method)
+    method = spec.base
     if method == "full":
         return full_plan(data, ws, seed=seed, model_id=model_id)
     if method == "random":
         return random_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
+    if method == "longest":
+        return longest_plan(data, ws, ratio=ratio, seed=seed, model_id=model_id)
     if method in CLUSTER_METHODS:
-        budget = {"token_ratio": ratio} if method == "cluster-tokens" else {"ratio": ratio}
-        config = SelectConfig(world_size=ws, seed=seed, **CLUSTER_METHODS[method], **budget)
-        return select(model, data, config, model_id=model_id, progress=False)
+        return select(model, data, _method_config(spec, ws, ratio, seed), model_id=model_id, progress=False,
+                      feature_store=feature_store)
     if method == "s2l":
         return s2l_plan(model, data, ws, ratio=ratio, seed=seed, lr=args.lr, micro_batch_size=args.micro_batch_size,
                         n_clusters=args.s2l_clusters, proxy_epochs=args.s2l_epochs, model_id=model_id)
@@ -157,6 +283,8 @@ def _train_argv(args: argparse.Namespace, plan_dir: Path, train_dir: Path, data_
         argv += ["--no-initial-eval"]
     if args.lora_r:
         argv += ["--lora-r", str(args.lora_r)]
+    if getattr(args, "fsdp", False):
+        argv += ["--fsdp"]
     if args.max_steps:
         argv += ["--max-steps", str(args.max_steps)]
     return argv
@@ -171,7 +299,7 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
             :func:`clusterlm.train.launch`); None starts a child process for it.
 
     Raises:
-        ValueError: bad arguments (ratio, world size, too few evaluation examples).
+        ValueError: bad arguments (ratio(s), world size, method settings, too few evaluation examples).
         RuntimeError: a training run failed (its output is above; rerun to continue).
     """
     args = _checked(args)
@@ -179,35 +307,88 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = _settings(args, data_path, eval_path)
-    key = _key(settings)
+    keys = {r: _key({**settings, "ratio": r}) for r in [*args.ratios, 1.0]}  # full data: ratio 1 whatever --ratios
     state_path = out / STATE
-    done = {(r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") == key}
-    # Seed-major: an interrupted run has every method at its first seeds, not some methods at none.
-    todo = [(m, s) for s in args.seeds for m in args.methods if (m, s) not in done]
-    print(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s); {len(done)} done earlier "
-          f"(in {state_path}), {len(todo)} to run")
+    wanted = _units(args)
+    ratio_of = {k: r for r, k in keys.items()}  # records of other settings have other keys: kept apart
+    earlier = {(ratio_of[r["key"]], r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") in ratio_of}
+    done = {u: {**earlier[u], "ratio": u[0]} for u in wanted if u in earlier}
+    todo = [u for u in wanted if u not in done]
+    print(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s) x {len(args.ratios)} ratio(s); "
+          f"{len(done)} done earlier (in {state_path}), {len(todo)} to run")
     if todo:
         saved_threads = torch.get_num_threads()
         session = _Session.load(args, data_path, eval_path, run_here)
-        for method, seed in todo:
-            record = {"key": key, **session.run_unit(method, seed, out / "runs" / f"{method}-s{seed}", done)}
+        for ratio, method, seed in todo:
+            run_dir = out / "runs" / _run_name(ratio, method, seed)
+            record = {"key": keys[ratio], "ratio": ratio,
+                      **session.run_unit(method, seed, run_dir, done, ratio=ratio, store_root=out / FEATURES)}
             _append_state(state_path, record)
-            done[(method, seed)] = record
+            done[(ratio, method, seed)] = record
         torch.set_num_threads(saved_threads)
-    records = [done[(m, s)] for m in args.methods for s in args.seeds]
-    summary = summarize(records, args.methods)
-    result = {"settings": settings, "key": key, "methods": args.methods, "seeds": args.seeds,
-              "summary": summary, "goals": goals(summary), "records": records}
+    records = [done[u] for u in wanted]
+    result = _result(args, settings, keys, records)
+    atomic_write_text(out / EVAL_LOSSES, json.dumps(
+        {"about": "per unit: summed token loss and answer tokens of every evaluation example (same order for all)",
+         "units": [{"ratio": r["ratio"], "method": r["method"], "seed": r["seed"], **(r.get("eval_examples") or {})}
+                   for r in records]}) + "\n")
     atomic_write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(out / "compare.md", markdown_table(result) + "\n")
     plot_compare(result, out / "compare.png")
     return result
 
 
+def _units(args: argparse.Namespace) -> list[tuple[float, str, int]]:
+    """(ratio, method, seed) of every unit, seed-major (an interrupted run has every method at its first seeds);
+    full data runs once per seed, at ratio 1."""
+    units = []
+    for seed in args.seeds:
+        if "full" in args.methods:
+            units.append((1.0, "full", seed))
+        units += [(r, m, seed) for r in args.ratios for m in args.methods if m != "full"]
+    return units
+
+
+def _run_name(ratio: float, method: str, seed: int) -> str:
+    slug = parse_method(method).slug
+    return f"{slug}-s{seed}" if method == "full" else f"{slug}-r{ratio:g}-s{seed}"
+
+
+def _result(args: argparse.Namespace, settings: dict[str, Any], keys: dict[float, str],
+            records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``compare.json``: the settings, per ratio the per-method summary, the frontier, the records."""
+    full = [r for r in records if r["method"] == "full"]
+    by_ratio = {}
+    for ratio in args.ratios:
+        at = [r for r in records if r["method"] != "full" and r["ratio"] == ratio] + full
+        by_ratio[f"{ratio:g}"] = summarize(at, args.methods)
+    summary = by_ratio[f"{args.ratios[0]:g}"]
+    reused = sum(1 for r in records if r.get("features_reused"))
+    return {"settings": {**settings, "ratio": args.ratios[0], "ratios": args.ratios}, "key": keys[args.ratios[0]],
+            "methods": args.methods, "seeds": args.seeds, "ratios": args.ratios, "summary": summary,
+            "summary_by_ratio": by_ratio, "frontier": frontier(records, args.methods, args.ratios),
+            "features_note": _features_note(records, reused), "goals": goals(summary),
+            "records": [{k: v for k, v in r.items() if k != "eval_examples"} for r in records]}
+
+
+def _features_note(records: list[dict[str, Any]], reused: int) -> str:
+    n_cluster = sum(1 for r in records if parse_method(r["method"]).base in CLUSTER_METHODS)
+    if not n_cluster:
+        return ""
+    return (f"features: computed once per model, data and feature settings (preset, features, window, seed) into "
+            f"OUT/{FEATURES}/ and reused by every cluster method and ratio with those settings: {reused} of "
+            f"{n_cluster} cluster unit(s) read stored features; their selection seconds still include the time the "
+            f"features took when computed, so every unit is charged its full selection cost.")
+
+
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
     """Refuse bad options before any model work; fill in the default ``n_validation``."""
-    if not 0 < args.ratio <= 1:
-        raise ValueError(f"compare: --ratio must be in (0, 1], got {args.ratio}.")
+    ratios = list(getattr(args, "ratios", None) or [args.ratio])
+    bad = [r for r in ratios if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1]
+    if bad or len(set(ratios)) != len(ratios):
+        flag = "--ratios" if getattr(args, "ratios", None) else "--ratio"
+        raise ValueError(f"compare: {flag} must be distinct fractions in (0, 1], got {ratios}; e.g. --ratios 0.2,0.31.")
+    args = argparse.Namespace(**{**vars(args), "ratios": [float(r) for r in ratios], "ratio": float(ratios[0])})
     if args.world_size < 1:
         raise ValueError(f"compare: --world-size must be >= 1, got {args.world_size}.")
     if args.max_steps and "full" in args.methods:
@@ -215,6 +396,10 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
             f"compare: --max-steps {args.max_steps} with method 'full' would train full data for as many steps as the "
             "subsets, so 'total vs full' would mean nothing; drop --max-steps (use a smaller --data) or drop 'full'."
         )
+    for label in args.methods:  # variants' settings against this world size and budget, before any model work
+        spec = parse_method(label)
+        for ratio in args.ratios if spec.base in CLUSTER_METHODS else ():
+            _check_variant(spec, args.world_size, ratio)
     if args.n_validation is None:  # the held-out tail is LESS's only when it runs; explicit values always hold
         args = argparse.Namespace(**{**vars(args), "n_validation": N_VALIDATION if "less" in args.methods else 0})
     return args
@@ -271,19 +456,37 @@ class _Session:
             n_eval = min(n_eval, args.eval_max_examples)
         return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda, run_here)
 
-    def _timed_select(self, method: str, seed: int) -> tuple[Any, float]:
+    def feature_store(self, method: str, seed: int, root: Path) -> Path | None:
+        """The feature store of a cluster unit: one per model, data and feature settings, shared by every cluster
+        method and ratio with those settings (None for the other methods)."""
+        spec = parse_method(method)
+        if spec.base not in CLUSTER_METHODS:
+            return None
+        config = _method_config(spec, self.args.world_size, self.args.ratio, seed)
+        s = config.resolve(len(self.data), self.data.lengths)
+        what = {"model": self.model_id, "data": self.data.fingerprint()["sha256"], "dtype": self.args.dtype,
+                "features": s.features, "dim": config.dim, "seed": s.seed, "feature_tokens": s.feature_tokens,
+                "batch_tokens": config.batch_tokens}
+        return root / _key(what)
+
+    def _timed_select(self, method: str, seed: int, store: Path | None = None) -> tuple[Any, float]:
         if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
             torch.set_num_threads(max(1, self.args.threads * self.args.world_size))
         else:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        plan = _select(method, self.model, self.data, self.validation, self.args, seed, self.model_id)
+        plan = _select(method, self.model, self.data, self.validation, self.args, seed, self.model_id,
+                       feature_store=store)
         if self.use_cuda:
             torch.cuda.synchronize()
         return plan, time.perf_counter() - t0
 
-    def run_unit(self, method: str, seed: int, run_dir: Path, done: dict[tuple[str, int], Any]) -> dict[str, Any]:
-        """Select with ``method``, train on the plan, return the unit's record (without the settings key)."""
+    def run_unit(self, method: str, seed: int, run_dir: Path, done: dict[Any, Any], *, ratio: float | None = None,
+                 store_root: Path | None = None) -> dict[str, Any]:
+        """Select with ``method`` at ``ratio`` (default ``--ratio``), train on the plan, return the unit's record
+        (without the settings key); cluster methods keep their features under ``store_root``."""
+        if ratio is not None:
+            self.args = argparse.Namespace(**{**vars(self.args), "ratio": ratio})
         args = self.args
         if run_dir.exists():
             shutil.rmtree(run_dir)  # a unit killed mid-way starts again
@@ -291,7 +494,12 @@ class _Session:
         print(f"\n== {method}, seed {seed}: selection ==")
         if method == "less" and not self.validation:
             raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
-        plan, selection_s = self._timed_select(method, seed)
+        store = None if store_root is None else self.feature_store(method, seed, store_root)
+        reused = store is not None and FeatureStore(store).complete
+        plan, selection_s = self._timed_select(method, seed, store)
+        measured_s = selection_s
+        if store is not None:
+            selection_s = _charge_features(store, plan, selection_s, reused)
         plan.save(run_dir / "plan")
         print(f"   {plan.n_selected} of {len(self.data)} examples selected in {selection_s:.2f} s")
         print(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
@@ -305,6 +513,7 @@ class _Session:
             raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
                                f"above. Rerun the same command to continue with the units not yet done.")
         summary = json.loads((run_dir / "train" / SUMMARY).read_text(encoding="utf-8"))
+        per_example = json.loads((run_dir / "train" / EVAL_EXAMPLES).read_text(encoding="utf-8"))
         # The unit is recorded by the caller; its final checkpoint (weights + optimizer: 1.6 GB for a 135M model) is
         # not needed to resume the comparison.
         shutil.rmtree(run_dir / "train" / CKPT_DIR, ignore_errors=True)
@@ -319,7 +528,20 @@ class _Session:
             "n_examples": len(self.data), "n_eval": self.n_eval, "n_validation": args.n_validation,
             "fraction": plan.n_selected / len(self.data), "steps": summary["steps"],
             "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
+            "eval_examples": {"loss_sums": per_example["loss_sums"], "tokens": per_example["tokens"]},
+            "features_reused": reused, "selection_measured_s": measured_s,
         }
+
+
+def _charge_features(store: Path, plan: Any, measured_s: float, reused: bool) -> float:
+    """The selection seconds a unit is charged: as measured when it computed its features (their time is kept
+    next to the store), else the measured time with the stored features' read replaced by their computing time."""
+    cost = store / "compare_features_s.json"
+    features_s = float(plan.timings.get("features", 0.0))
+    if not reused or not cost.is_file():
+        atomic_write_text(cost, json.dumps({"features_s": features_s}) + "\n")
+        return measured_s
+    return measured_s - features_s + float(json.loads(cost.read_text(encoding="utf-8"))["features_s"])
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -330,17 +552,86 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
-    """Per method: mean and std over seeds of selection / training / total seconds, held-out loss, tokens trained."""
+    """Per method: mean and std over seeds of selection / training / total seconds, held-out loss, tokens trained;
+    and the held-out loss difference to random and to full data with its 95 % interval (:func:`_vs_reference`)."""
     out: dict[str, dict[str, Any]] = {}
-    for m in methods:
-        rs = [r for r in records if r["method"] == m]
+    by_method = {m: [r for r in records if r["method"] == m] for m in methods}
+    for m, rs in by_method.items():
         if not rs:
             continue
         row: dict[str, Any] = {"seeds": len(rs), "fraction": float(np.mean([r["fraction"] for r in rs]))}
         for field in ("selection_s", "train_s", "total_s", "eval_loss", "tokens"):
             row[field], row[f"{field}_std"] = _mean_std([r[field] for r in rs])
         out[m] = row
+    for m, row in out.items():
+        for ref in ("random", "full"):
+            if by_method.get(ref):
+                row.update(_vs_reference(by_method[m], by_method[ref], ref))
     return out
+
+
+def _loss_arrays(rs: list[dict[str, Any]], per_example: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(seeds, examples) summed token losses and answer tokens (one pseudo-example per run without them)."""
+    if per_example:
+        return (np.asarray([r["eval_examples"]["loss_sums"] for r in rs], dtype=np.float64),
+                np.asarray([r["eval_examples"]["tokens"] for r in rs], dtype=np.float64))
+    return np.asarray([[r["eval_loss"]] for r in rs], dtype=np.float64), np.ones((len(rs), 1))
+
+
+def _vs_reference(rs: list[dict[str, Any]], ref: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """``delta_vs_<name>``, ``ci95_vs_<name>``, whether the seeds were paired, the seeds that would resolve 1 %.
+
+    The interval is :func:`clusterlm.stats.bootstrap_delta`'s (seeds, then evaluation examples; paired by seed when
+    both ran the same seeds); runs recorded without per-example losses resample the seeds only.
+    """
+    both = rs + ref
+    if any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in both):
+        return {f"delta_vs_{name}": None, f"ci95_vs_{name}": None}
+    sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in both}
+    per_example = 0 not in sizes and len(sizes) == 1
+    d = bootstrap_delta(*_loss_arrays(rs, per_example), *_loss_arrays(ref, per_example),
+                        seeds_a=[r["seed"] for r in rs], seeds_b=[r["seed"] for r in ref], n_boot=N_BOOT, seed=0)
+    ref_loss = float(np.mean([r["eval_loss"] for r in ref]))
+    return {f"delta_vs_{name}": d.delta, f"ci95_vs_{name}": [d.low, d.high], f"paired_vs_{name}": d.paired,
+            f"interval_vs_{name}": "seeds x eval examples" if per_example else "seeds only",
+            f"seeds_for_1pct_vs_{name}": seeds_to_resolve(d, ref_loss),
+            f"eval_sd_vs_{name}": math.sqrt(d.eval_var),
+            f"seed_sd_vs_{name}": None if math.isnan(d.seed_var) else math.sqrt(d.seed_var)}
+
+
+def _verdict_part(m: str, row: dict[str, Any], ref: str, ref_row: dict[str, Any]) -> str:
+    """``cluster vs random: -0.0005 [-0.0210, +0.0200], not distinguishable at 3 seeds; 1.39x random's time; ...``"""
+    lo, hi = row[f"ci95_vs_{ref}"]
+    d = Delta(row[f"delta_vs_{ref}"], lo, hi, row[f"paired_vs_{ref}"], math.nan, math.nan, row["seeds"])
+    if not d.distinguishable:
+        how = f"not distinguishable at {row['seeds']} seed{'s' if row['seeds'] > 1 else ''}"
+    else:
+        how = f"{'lower (better)' if d.delta < 0 else 'higher (worse)'} held-out loss than {ref}"
+    text = f"{m} vs {ref}: {interval_text(d)}, {how}"
+    if ref_row.get("total_s"):
+        text += f"; {row['total_s'] / ref_row['total_s']:.2f}x {ref}'s time"
+    n = row.get(f"seeds_for_1pct_vs_{ref}")
+    if d.distinguishable:
+        return text
+    if n is not None:
+        return text + f"; ~{n} seeds would resolve 1 %"
+    if row[f"seed_sd_vs_{ref}"] is None:
+        return text + "; one seed: run >= 2 seeds to know how many would resolve 1 %"
+    return text + "; the evaluation set alone is too small to resolve 1 % (add evaluation examples)"
+
+
+def verdicts(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """One ``verdict:`` line per method in plain words: its difference to random and to full data, with the
+    95 % interval, whether that resolves it, the time ratio and the seeds a 1 % difference would need."""
+    lines = []
+    for m, row in summary.items():
+        parts = [_verdict_part(m, row, ref, summary[ref]) for ref in ("random", "full")
+                 if ref in summary and ref != m and row.get(f"ci95_vs_{ref}") is not None]
+        if not parts:
+            alone = "the reference" if m in ("random", "full") else "no random or full run to compare with"
+            parts = [f"{m}: {alone}"]
+        lines.append("verdict: " + "; ".join(parts) + ".")
+    return lines
 
 
 def goals(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -378,6 +669,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines.append(f"| {m} | {row['fraction']:.3f} | {row['tokens']:,.0f} | {pm(row, 'selection_s', 2)} | "
                      f"{pm(row, 'train_s', 1)} | "
                      f"{pm(row, 'total_s', 1)} | {pm(row, 'eval_loss', 4)} |")
+    lines += ["", *verdicts(result["summary"])]
     if result.get("goals"):
         lines += ["", "| ratio | value |", "|---|---:|"]
         lines += [f"| {k} | {v:.4f} |" for k, v in result["goals"].items()]

@@ -219,6 +219,7 @@ class ResolvedSelection:
     """What a :class:`SelectConfig` resolves to for one data set, before any feature is computed."""
 
     preset: Preset
+    n: int  # examples the settings were resolved for
     world_size: int
     clusters_per_rank: int
     n_clusters: int
@@ -405,7 +406,7 @@ class SelectConfig:
         else:
             # Examples the token budget buys at the mean length: the per-cluster lower bound for K-means.
             requested = min(n, max(n_clusters, round(tokens / max(float(lengths.mean()), 1.0))))
-        common = {"preset": p, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
+        common = {"preset": p, "n": n, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
                   "n_clusters": n_clusters, "requested": requested, "tokens": tokens,
                   "seed": resolve_seed(self.preset, self.seed), "features": _resolve_features(p, self.features),
                   "feature_tokens": resolve_feature_tokens(self.preset, self.feature_tokens),

@@ -1,21 +1,24 @@
 """The training engine: the pieces every training loop of clusterlm is built from.
 
-Four loops use it — the reference DDP trainer (:mod:`clusterlm.train`), the demo pre-training
+Four loops use it — the reference trainer (:mod:`clusterlm.train`, DDP or FSDP2), the demo pre-training
 (:mod:`clusterlm.pretrain`), S2L's proxy training and LESS's LoRA warm-up (both
 :func:`clusterlm.baselines._training.train_loop`) — so they share one optimizer (AdamW with weight decay on
 matrices only, as nanoGPT; or Adafactor), one learning-rate schedule and one optimizer step:
 
 - batches: :func:`make_micro_batches` (collated examples with their plan weights);
 - the step: :func:`forward_backward` (micro-batch loss ``sum_b w_b loss_b / n_step`` of the per-example
-  answer-token losses, gradients accumulated, DDP synchronised once per step), :func:`optimizer_step`
-  (clip, step, schedule, zero), :func:`train_step` (both);
+  answer-token losses, gradients accumulated, DDP synchronised once per step; an FSDP2 model reduce-scatters
+  after every micro-batch, :mod:`clusterlm.fsdp`), :func:`optimizer_step` (clip, step, schedule, zero),
+  :func:`train_step` (both);
 - evaluation: :func:`evaluate` (token-weighted held-out answer-token loss, sharded over ranks);
 - optimizer and schedule: :func:`build_optimizer`, :func:`lr_factor`, :func:`build_scheduler`;
-- checkpoints: :func:`save_checkpoint` (atomic, through :mod:`clusterlm._io`), :func:`find_checkpoint`,
-  :func:`resume`, with :func:`trainable_state`, :func:`rng_state` / :func:`set_rng_state` and
-  :func:`seed_everything`.
+- checkpoints: :func:`save_checkpoint` (one file, atomic, through :mod:`clusterlm._io`),
+  :func:`save_sharded_checkpoint` (an FSDP2 model: a directory of shards, atomic),
+  :func:`find_checkpoint`, :func:`resume` (either kind), with :func:`trainable_state`, :func:`rng_state` /
+  :func:`set_rng_state` and :func:`seed_everything`.
 
-Everything takes keyword arguments (no argparse namespace) and works on one process or inside DDP.
+Everything takes keyword arguments (no argparse namespace) and works on one process, inside DDP, or on an
+FSDP2-sharded model (``fully_shard``: every rank runs the same forward passes).
 """
 
 from __future__ import annotations
@@ -24,27 +27,38 @@ import contextlib
 import math
 import os
 import random
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
 from clusterlm._io import atomic_write, atomic_write_text, storage_errors
 from clusterlm.data import collate
+from clusterlm.fsdp import (
+    STATE_FILE,
+    ShardedAdafactor,
+    is_sharded,
+    load_sharded_checkpoint,
+    write_sharded_checkpoint,
+)
 from clusterlm.launch import DistInfo
 from clusterlm.loss import per_example_loss, weighted_loss
 
 __all__ = [
-    "CKPT_DIR", "CKPT_VERSION", "LATEST", "answer_losses", "autocast", "build_optimizer", "build_scheduler",
+    "CKPT_DIR", "CKPT_VERSION", "EVAL_EXAMPLES", "LATEST", "answer_losses", "autocast", "build_optimizer",
+    "build_scheduler",
     "evaluate", "find_checkpoint", "forward_backward", "lr_factor", "make_micro_batches", "optimizer_step",
-    "resume", "rng_state", "save_checkpoint", "seed_everything", "set_rng_state", "train_step",
-    "trainable_state",
+    "resume", "rng_state", "save_checkpoint", "save_sharded_checkpoint", "seed_everything", "set_rng_state",
+    "train_step", "trainable_state",
 ]
 
 CKPT_DIR = "ckpt"
+EVAL_EXAMPLES = "eval_examples.json"  # the latest evaluation's per-example losses (written by the trainer)
 LATEST = "latest"
 CKPT_VERSION = 1
 
@@ -115,10 +129,12 @@ def forward_backward(
 
     Micro-batch loss ``sum_b w_b loss_b / n_step``; DDP gradient synchronisation (``no_sync``) only on the
     last micro-batch. After it, ``.grad`` on every rank holds the mean over ranks of each rank's
-    ``grad mean_b(w_b * loss_b)`` (see :mod:`clusterlm.train`).
+    ``grad mean_b(w_b * loss_b)`` (see :mod:`clusterlm.train`). An FSDP2 model (no ``no_sync``)
+    reduce-scatters the gradients after every micro-batch and accumulates the shards: the same mean over
+    ranks, sharded, without ever holding a whole unsharded gradient.
 
     Args:
-        model: the (DDP-wrapped or plain) causal LM, in train mode.
+        model: the (DDP-wrapped, FSDP2-sharded or plain) causal LM, in train mode.
         micro_batches: from :func:`make_micro_batches`.
         n_step: examples in the step on this rank (the sum of the micro-batch sizes).
         autocast_dtype: e.g. ``torch.bfloat16`` for autocast; None for none.
@@ -160,8 +176,8 @@ def optimizer_step(
     """
     grad_norm = float("nan")
     if max_grad_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                         max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: the global norm
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
@@ -200,11 +216,17 @@ def evaluate(
     batch_size: int,
     pad_id: int,
     autocast_dtype: torch.dtype | None = None,
+    per_example: torch.Tensor | None = None,
 ) -> tuple[float, int]:
     """Held-out answer-token loss: token-weighted mean over the data set, sharded over ranks.
 
     Rank ``r`` evaluates examples ``r, r + K, ...`` (longest first, for little padding); the sums of
-    token losses and answer tokens are all-reduced. Examples without answer tokens count nothing.
+    token losses and answer tokens are all-reduced. Examples without answer tokens count nothing. A sharded
+    (FSDP2) model's forward is a collective, so there every rank runs as many forward passes as rank 0 (the
+    extra ones on one example, not counted).
+
+    ``per_example``: a zeroed (2, len(dataset)) float64 tensor on the device, filled with every example's summed
+    token loss (row 0) and answer tokens (row 1), all-reduced too (``clusterlm compare``'s intervals).
 
     Returns:
         ``(loss, answer_tokens)``; loss is nan when the set has no answer token.
@@ -213,18 +235,30 @@ def evaluate(
     model.eval()
     mine = list(range(di.rank, len(dataset), di.world_size))
     mine.sort(key=lambda i: -len(dataset[i]["input_ids"]))
+    batches = [mine[s : s + batch_size] for s in range(0, len(mine), batch_size)]
+    rounds = len(batches)
+    if di.distributed and is_sharded(model):
+        rounds = math.ceil(math.ceil(len(dataset) / di.world_size) / batch_size)
     total = torch.zeros(2, dtype=torch.float64, device=di.device)  # [sum of token NLL, answer tokens]
-    for s in range(0, len(mine), batch_size):
-        batch = collate([dataset[i] for i in mine[s : s + batch_size]], pad_id=pad_id)
+    for j in range(rounds):
+        counted = j < len(batches)
+        batch = collate([dataset[i] for i in (batches[j] if counted else [0])], pad_id=pad_id)
         batch = {k: v.to(di.device) for k, v in batch.items()}
         counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
         with autocast(di.device.type, autocast_dtype):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if not counted:
+            continue
         losses = answer_losses(logits, batch["labels"])
         total[0] += (losses.double() * counts.double()).sum()
         total[1] += counts.sum().double()
+        if per_example is not None:
+            idx = torch.tensor(batches[j], device=di.device)
+            per_example[:, idx] = torch.stack([losses.double() * counts.double(), counts.double()])
     if di.distributed:
         torch.distributed.all_reduce(total)
+        if per_example is not None:
+            torch.distributed.all_reduce(per_example)
     model.train(was_training)
     n_tokens = int(total[1].item())
     return (float(total[0].item()) / n_tokens if n_tokens else float("nan")), n_tokens
@@ -244,7 +278,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
 ) -> torch.optim.Optimizer:
     """AdamW (decoupled decay on matrices only, not biases/norms, as nanoGPT) or Adafactor over the trainable
-    parameters.
+    parameters (:class:`clusterlm.fsdp.ShardedAdafactor`, the same algorithm, for FSDP2-sharded parameters).
 
     Raises:
         ValueError: the model has no trainable parameters.
@@ -257,7 +291,8 @@ def build_optimizer(
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if kind == "adafactor":
-        return torch.optim.Adafactor(groups, lr=lr)
+        sharded = any(isinstance(p, DTensor) for p in params)
+        return ShardedAdafactor(groups, lr=lr) if sharded else torch.optim.Adafactor(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
@@ -322,6 +357,24 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The complete checkpoints in ``ckpt_dir``, oldest first: ``step_*.pt`` files, sharded ``step_*`` directories."""
+    if not ckpt_dir.is_dir():
+        return []
+    return [p for p in sorted(ckpt_dir.glob("step_*"))
+            if (p.suffix == ".pt" and p.is_file()) or (p.is_dir() and (p / STATE_FILE).is_file())]
+
+
+def _point_latest(ckpt_dir: Path, path: Path, keep: int) -> None:
+    """``latest`` names ``path``; then only the newest ``keep`` checkpoints stay."""
+    atomic_write_text(ckpt_dir / LATEST, path.name + "\n")
+    for old in _checkpoints(ckpt_dir)[:-keep]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 def save_checkpoint(out: str | os.PathLike, state: dict[str, Any], step: int, keep: int) -> Path:
     """Atomically write ``ckpt/step_<step, 7 digits>.pt``, point ``ckpt/latest`` at it, keep the newest ``keep``.
 
@@ -336,30 +389,69 @@ def save_checkpoint(out: str | os.PathLike, state: dict[str, Any], step: int, ke
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step_{step:07d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))
-    atomic_write_text(ckpt_dir / LATEST, path.name + "\n")
-    for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
+    _point_latest(ckpt_dir, path, keep)
     return path
 
 
-def find_checkpoint(out: str | os.PathLike, resume_from: str = LATEST) -> Path | None:
-    """The checkpoint to resume: ``resume_from`` itself (a file), or ``latest`` in OUT/ckpt (None when there is none).
+def save_sharded_checkpoint(
+    out: str | os.PathLike,
+    state: dict[str, Any] | None,
+    step: int,
+    keep: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    only_trainable: bool,
+    di: DistInfo,
+) -> Path:
+    """The sharded form of :func:`save_checkpoint` for an FSDP2 model; every rank calls it.
+
+    Writes the directory ``ckpt/step_<step>/`` (:func:`clusterlm.fsdp.write_sharded_checkpoint`: every rank's
+    shards of the model and optimizer, and ``state`` from rank 0, renamed into place when complete), then rank 0
+    points ``latest`` at it and keeps the newest ``keep``.
+
+    Args:
+        state: rank 0's trainer state (step, setup, sampler, scheduler, generators, metrics); None elsewhere.
+        only_trainable: save only the trainable parameters (LoRA).
 
     Raises:
-        FileNotFoundError: ``resume_from`` names a file that does not exist.
+        StorageError: as :func:`save_checkpoint`; no partial directory is left.
+    """
+    ckpt_dir = Path(out) / CKPT_DIR
+    if di.is_main:
+        with storage_errors(ckpt_dir):
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = write_sharded_checkpoint(ckpt_dir / f"step_{step:07d}", model=model, optimizer=optimizer, state=state,
+                                    only_trainable=only_trainable, di=di)
+    if di.is_main:
+        _point_latest(ckpt_dir, path, keep)
+    return path
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and (path / STATE_FILE).is_file())
+
+
+def find_checkpoint(out: str | os.PathLike, resume_from: str = LATEST) -> Path | None:
+    """The checkpoint to resume: ``resume_from`` itself (a file, or a sharded checkpoint directory), or ``latest``
+    in OUT/ckpt (None when there is none).
+
+    Raises:
+        FileNotFoundError: ``resume_from`` names no checkpoint.
     """
     if resume_from != LATEST:
         path = Path(resume_from)
-        if not path.is_file():
-            raise FileNotFoundError(f"train: --resume {resume_from}: no such checkpoint file.")
+        if not _is_checkpoint(path):
+            raise FileNotFoundError(f"train: --resume {resume_from}: no such checkpoint file (or sharded checkpoint "
+                                    f"directory with {STATE_FILE}).")
         return path
     ckpt_dir = Path(out) / CKPT_DIR
     pointer = ckpt_dir / LATEST
     if pointer.is_file():
         path = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
-        if path.is_file():
+        if path.name and _is_checkpoint(path):
             return path
-    found = sorted(ckpt_dir.glob("step_*.pt"))
+    found = _checkpoints(ckpt_dir)
     return found[-1] if found else None
 
 
@@ -378,8 +470,10 @@ def resume(
     """Load a checkpoint into model, optimizer, scheduler, sampler and this rank's generators.
 
     Args:
-        path: the checkpoint file (:func:`save_checkpoint`: ``setup``, ``model``, ``optimizer``,
-            ``scheduler``, ``sampler``, ``rng`` (one state per rank), ...).
+        path: the checkpoint: a file (:func:`save_checkpoint`: ``setup``, ``model``, ``optimizer``,
+            ``scheduler``, ``sampler``, ``rng`` (one state per rank), ...), or a sharded directory
+            (:func:`save_sharded_checkpoint`: the same without ``model`` and ``optimizer``, which are shards;
+            every rank calls it then, with the sharded model).
         setup: this run's settings that decide the data order (must equal the checkpoint's).
         model / optimizer / scheduler / sampler: built as for a fresh run.
         rank / device: whose generator state to restore, and where.
@@ -391,8 +485,9 @@ def resume(
     Raises:
         ValueError: the checkpoint was made with other settings, or lacks trainable parameters of the model.
     """
+    sharded = path.is_dir()
     # On CPU first: RNG states must stay CPU tensors; load_state_dict moves the rest where it belongs.
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = torch.load(path / STATE_FILE if sharded else path, map_location="cpu", weights_only=False)
     differs = [f"{k}: checkpoint {ckpt['setup'].get(k)!r}, now {v!r}" for k, v in setup.items()
                if ckpt["setup"].get(k) != v]
     if differs:
@@ -400,12 +495,15 @@ def resume(
             f"train: cannot resume {path}: it was made with other settings ({'; '.join(differs)}). Resume with the "
             "original plan and settings, or start afresh with --overwrite."
         )
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if not trainable <= set(ckpt["model"]):
-        raise ValueError(f"train: {path} lacks trainable parameters of this model, e.g. "
-                         f"{sorted(trainable - set(ckpt['model']))[:3]}; resume with the same --model/--lora-*.")
-    model.load_state_dict(ckpt["model"], strict=strict)
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if sharded:
+        load_sharded_checkpoint(path, model=model, optimizer=optimizer, only_trainable=not strict)
+    else:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if not trainable <= set(ckpt["model"]):
+            raise ValueError(f"train: {path} lacks trainable parameters of this model, e.g. "
+                             f"{sorted(trainable - set(ckpt['model']))[:3]}; resume with the same --model/--lora-*.")
+        model.load_state_dict(ckpt["model"], strict=strict)
+        optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     sampler.load_state_dict({"epoch": ckpt["sampler"]["epoch"], "position": ckpt["sampler"]["position"]})
     set_rng_state(ckpt["rng"][rank], device)

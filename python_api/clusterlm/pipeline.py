@@ -202,7 +202,7 @@ def _select(job: SelectJob, info: DistInfo | None) -> Plan:
     feats, cluster_fn, extra = _features(job, featurizer, data, store_dir, info, show)
     plan = select_from_features(
         feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
-        timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn,
+        timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn, resolved=s,
         extra_config={"features": featurizer_record(featurizer, s), **extra, "data": _data_record(job, data)},
     )
     if main_rank:

@@ -102,6 +102,7 @@ def select_from_features(
     timings: Mapping[str, float] | None = None,
     extra_config: Mapping[str, Any] | None = None,
     cluster_fn: ClusterFn | None = None,
+    resolved: ResolvedSelection | None = None,
     **overrides: Any,
 ) -> Plan:
     """Cluster fixed per-example features and build the :class:`Plan` (steps 2-4 of the method).
@@ -117,6 +118,8 @@ def select_from_features(
         extra_config: more configuration to record.
         cluster_fn: replaces the in-process K-means (the distributed selection passes
             :class:`clusterlm.distributed.DistributedClustering`); see :data:`ClusterFn`.
+        resolved: ``config.resolve(N, lengths)`` when the caller resolved it already (before computing the
+            features), so the settings are validated once.
 
     Returns:
         The Plan (per-rank indices of equal length, weights, labels, distances, statistics).
@@ -127,7 +130,10 @@ def select_from_features(
     """
     config = (config or SelectConfig()).replace(**overrides)
     x = _check_features(features)
-    s = config.resolve(x.shape[0], lengths)
+    s = config.resolve(x.shape[0], lengths) if resolved is None else resolved
+    if s.n != x.shape[0]:
+        raise ValueError(f"select: the settings were resolved for {s.n} examples, the features have {x.shape[0]} "
+                         "rows; resolve them for these features (config.resolve(len(features), lengths)).")
     lengths = check_lengths(lengths, x.shape[0])
     stage: dict[str, float] = dict(timings or {})
     if s.clustering == "authors":
@@ -396,7 +402,7 @@ def select(
     plan = select_from_features(
         feats, config, lengths=lengths_of(dataset), fingerprint=fingerprint(dataset),
         model_id=model_id or compute_model_id(model), timings=timings,
-        extra_config={"features": featurizer_record(featurizer, s)},
+        extra_config={"features": featurizer_record(featurizer, s)}, resolved=s,
     )
     return (plan, np.asarray(feats)) if return_features else plan
 

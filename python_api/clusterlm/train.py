@@ -124,6 +124,7 @@ from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data
 from clusterlm.engine import (
     CKPT_DIR,
     CKPT_VERSION,
+    EVAL_EXAMPLES,
     LATEST,
     build_optimizer,
     build_scheduler,
@@ -133,10 +134,12 @@ from clusterlm.engine import (
     resume,
     rng_state,
     save_checkpoint,
+    save_sharded_checkpoint,
     seed_everything,
     train_step,
     trainable_state,
 )
+from clusterlm.fsdp import check_blocks, checkpoint_kind, remove_partial_checkpoints, save_full_model, shard_model
 from clusterlm.launch import (
     TRAIN_MODULE,
     DistInfo,
@@ -150,16 +153,16 @@ from clusterlm.launch import (
     under_torchrun,
 )
 from clusterlm.metrics import CURVE, METRICS, SUMMARY, MetricsLog, plot_training, step_record, summarize, summary_text
-from clusterlm.models import check_model_id, load_model
+from clusterlm.models import BUILTIN_MODELS, GGUF_MODELS, check_model_id, load_model
 from clusterlm.plan import Plan
 from clusterlm.planfile import plan_dir_hint, read_plan_meta
 from clusterlm.sampler import PlanSampler
 
 __all__ = [
-    "CKPT_DIR", "CURVE", "LATEST", "LAUNCHER_OPTIONS", "METRICS", "SUMMARY", "Run", "State",
-    "build_model", "check_inputs", "check_out_location", "check_unlocked", "cpu_has_native_bf16", "launch",
-    "load_plan", "lock_out", "plan_world_size", "setup_distributed", "train", "validate_args", "verify_plan",
-    "world_size_error",
+    "CKPT_DIR", "CURVE", "LATEST", "LAUNCHER_OPTIONS", "METRICS", "SUMMARY", "Run", "State", "build_model",
+    "check_checkpoint_kind", "check_fsdp", "check_inputs", "check_out_location", "check_unlocked",
+    "cpu_has_native_bf16", "launch", "load_plan", "lock_out", "plan_world_size", "setup_distributed", "train",
+    "uses_fsdp", "validate_args", "verify_plan", "world_size_error",
 ]
 
 CPUINFO = "/proc/cpuinfo"
@@ -299,9 +302,48 @@ def check_inputs(args: Any, *, plan_dir: bool) -> None:
             f"{args.plan}, or train a baseline: --plan full, --plan random:<ratio>."
         ))
     resume_from = getattr(args, "resume", None)
-    if resume_from not in (None, LATEST) and not Path(resume_from).is_file():
-        raise FileNotFoundError(f"train: --resume {resume_from}: no such checkpoint file.")
+    if resume_from is not None:
+        found = find_checkpoint(args.out, resume_from)  # FileNotFoundError for a --resume PATH that is none
+        if found is not None:
+            check_checkpoint_kind(found, fsdp=uses_fsdp(args))
     check_out_location(Path(args.out))
+
+
+def uses_fsdp(args: Any) -> bool:
+    """The run shards the model with FSDP2 (``--fsdp``)."""
+    return bool(getattr(args, "fsdp", False))
+
+
+def check_checkpoint_kind(path: Path, *, fsdp: bool) -> None:
+    """Refuse to resume a DDP checkpoint (one file) with --fsdp, or a sharded one (a directory) without.
+
+    Raises:
+        ValueError: the mismatch, in one line.
+    """
+    kind = checkpoint_kind(path)
+    if kind == "ddp" and fsdp:
+        raise ValueError(f"train: --resume {path} is a DDP checkpoint (one file) but this run has --fsdp, which "
+                         "resumes sharded checkpoints (a directory); resume it without --fsdp, or start afresh with "
+                         "--overwrite.")
+    if kind == "fsdp" and not fsdp:
+        raise ValueError(f"train: --resume {path} is a sharded FSDP checkpoint (a directory) but this run has no "
+                         "--fsdp; resume it with --fsdp, or start afresh with --overwrite.")
+
+
+def check_fsdp(args: Any, world_size: int) -> None:
+    """The --fsdp checks that need no model: 2 processes or more, and decoder blocks the sharding can find
+    (:func:`clusterlm.fsdp.check_blocks`, on the model's config); nothing without --fsdp.
+
+    Raises:
+        ValueError: one process, or a model whose blocks cannot be found (naming the attribute looked at).
+    """
+    if not uses_fsdp(args):
+        return
+    if args.model not in BUILTIN_MODELS and args.model not in GGUF_MODELS:
+        check_blocks(args.model)
+    if world_size < 2:
+        raise ValueError("train: --fsdp shards the model over the ranks and needs at least 2 processes (--nproc 2, "
+                         "or torchrun); one process trains the whole model anyway: drop --fsdp.")
 
 
 def check_out_location(out: Path) -> None:
@@ -352,6 +394,7 @@ def lock_out(out: Path) -> DirLock:
         raise _locked(out, e.holder) from None
     for d in (out, out / CKPT_DIR, out / "plan"):
         remove_temporaries(d)
+    remove_partial_checkpoints(out / CKPT_DIR)
     return lock
 
 
@@ -464,7 +507,8 @@ def build_model(args: Any, di: DistInfo) -> tuple[torch.nn.Module, Any, str]:
         model.config.use_cache = False
     if args.lora_r > 0:
         model = add_lora(model, args)
-    model.to(di.device)
+    if not uses_fsdp(args):  # FSDP moves each shard to the device as it shards (shard_model)
+        model.to(di.device)
     model.train()
     return model, tokenizer, model_id
 
@@ -609,6 +653,7 @@ def train(args: Any, *, build_plan: PlanBuilder | None = None) -> dict[str, Any]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if plan_ws is not None and plan_ws != world_size:  # before any process group or model is made
         raise world_size_error(plan_ws, world_size, "torchrun" if under_torchrun() else "a single process")
+    check_fsdp(args, world_size)
     lock = lock_out(Path(args.out)) if int(os.environ.get("RANK", "0")) == 0 else None
     # Process-wide torch settings this function changes; restored at the end (train may run inside a caller).
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
@@ -657,7 +702,9 @@ def prepare(args: Any, di: DistInfo, build_plan: PlanBuilder | None) -> Run:
     warmup = args.warmup_steps if args.warmup_steps is not None else int(args.warmup_ratio * total_steps)
     use_bf16 = _use_bf16(args.bf16, di.device)
     ddp_model = model
-    if di.distributed:
+    if uses_fsdp(args):  # bf16: the FSDP mixed-precision policy instead of autocast
+        ddp_model = model = shard_model(model, di, bf16=use_bf16)
+    elif di.distributed:
         ddp_model = DDP(model, device_ids=[di.local_rank] if di.device.type == "cuda" else None)
     optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, kind=args.optimizer,
                                 betas=(args.beta1, args.beta2))
@@ -665,10 +712,10 @@ def prepare(args: Any, di: DistInfo, build_plan: PlanBuilder | None) -> Run:
                                 min_ratio=args.min_lr_ratio)
     setup = {"world_size": di.world_size, "micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
              "seed": args.seed, "epoch_shuffle": not args.no_epoch_shuffle, "plan_digest": plan_digest(plan),
-             "lora_r": args.lora_r}
+             "lora_r": args.lora_r, **({"fsdp": True} if uses_fsdp(args) else {})}
     run = Run(args=args, di=di, out=out, plan=plan, data=data, eval_data=eval_data, model=model, ddp_model=ddp_model,
               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, sampler=sampler, pad_id=pad_id,
-              autocast_dtype=torch.bfloat16 if use_bf16 else None, total_steps=total_steps,
+              autocast_dtype=torch.bfloat16 if use_bf16 and not uses_fsdp(args) else None, total_steps=total_steps,
               steps_per_epoch=steps_per_epoch, max_length=max_length, model_id=model_id, setup=setup)
     bf16_warning = _bf16_cpu_warning(use_bf16, di.device)
     if bf16_warning:
@@ -695,7 +742,8 @@ def start(run: Run) -> State:
     write_args(run, state)
     n_trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     run.say(f"train: {di.world_size} rank(s) on {di.device.type} ({'nccl' if di.device.type == 'cuda' else 'gloo'}"
-            f"{'' if di.distributed else ', no process group'}), plan {args.plan}: {run.plan.per_rank} examples per "
+            f"{'' if di.distributed else ', no process group'}{', FSDP2' if uses_fsdp(args) else ''}), plan "
+            f"{args.plan}: {run.plan.per_rank} examples per "
             f"rank, {run.per_step} per step ({args.micro_batch_size} x {args.grad_accum}), {run.total_steps} steps; "
             f"{n_trainable:,} trainable parameters{f' (LoRA r={args.lora_r})' if args.lora_r else ''}")
     return state
@@ -766,8 +814,12 @@ def evaluate_now(run: Run, state: State) -> None:
     if run.eval_data is None:
         return
     t0 = time.perf_counter()
+    per_example = torch.zeros(2, len(run.eval_data), dtype=torch.float64, device=run.di.device)
     loss, n_tok = evaluate(run.model, run.eval_data, run.di, batch_size=run.args.eval_batch_size, pad_id=run.pad_id,
-                           autocast_dtype=run.autocast_dtype)
+                           autocast_dtype=run.autocast_dtype, per_example=per_example)
+    if run.di.is_main:  # per-example summed token loss and answer tokens of this (the latest) evaluation
+        atomic_write_json(run.out / EVAL_EXAMPLES, {"step": state.step, "loss_sums": per_example[0].tolist(),
+                                                    "tokens": per_example[1].long().tolist()}, indent=None)
     state.log.append({"kind": "eval", "step": state.step, "eval_loss": loss, "eval_tokens": n_tok,
                       "eval_time": time.perf_counter() - t0})
     run.say(f"step {state.step}: held-out loss {loss:.4f} ({n_tok} answer tokens)")
@@ -779,14 +831,21 @@ def evaluate_now(run: Run, state: State) -> None:
 
 
 def checkpoint(run: Run, state: State) -> None:
-    """Every rank's generator states to rank 0; it writes the checkpoint (:func:`~clusterlm.engine.save_checkpoint`)."""
+    """Every rank's generator states to rank 0; it writes the checkpoint (:func:`~clusterlm.engine.save_checkpoint`).
+    With --fsdp every rank writes its shards (:func:`~clusterlm.engine.save_sharded_checkpoint`)."""
     rng = all_gather_objects(rng_state(run.di.device), run.di)
+    ckpt = None
     if run.di.is_main:
         ckpt = {"version": CKPT_VERSION, "step": state.step, "setup": run.setup,
                 "sampler": {"epoch": run.sampler.epoch, "position": run.sampler.position},
-                "model": trainable_state(run.model, only_trainable=run.args.lora_r > 0),
-                "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "rng": rng,
-                "metrics": state.log.records, "counters": state.counters}
+                "scheduler": run.scheduler.state_dict(), "rng": rng, "metrics": state.log.records,
+                "counters": state.counters}
+    if uses_fsdp(run.args):
+        save_sharded_checkpoint(run.out, ckpt, state.step, run.args.keep_checkpoints, model=run.model,
+                                optimizer=run.optimizer, only_trainable=run.args.lora_r > 0, di=run.di)
+    elif ckpt is not None:
+        ckpt["model"] = trainable_state(run.model, only_trainable=run.args.lora_r > 0)
+        ckpt["optimizer"] = run.optimizer.state_dict()
         save_checkpoint(run.out, ckpt, state.step, run.args.keep_checkpoints)
 
 
@@ -801,8 +860,10 @@ def finish(run: Run, state: State, wall: float) -> dict[str, Any]:
         evaluate_now(run, state)
     summary = summarize(state.log.records, state.counters, run.args, run.di, run.plan, run.total_steps, wall,
                         state.resumed_from)
+    if uses_fsdp(run.args) and not run.args.no_save_model:  # every rank sends its shards to rank 0
+        save_full_model(run.model, run.tokenizer, run.out / "model", run.di)
     if run.di.is_main:
-        if not run.args.no_save_model:
+        if not run.args.no_save_model and not uses_fsdp(run.args):
             with storage_errors(run.out / "model"):
                 run.model.save_pretrained(run.out / "model")
                 run.tokenizer.save_pretrained(run.out / "model")
@@ -894,6 +955,8 @@ def run(args: Any, rank_argv: Sequence[str], *, build_plan: PlanBuilder | None =
     """
     nproc = args.nproc or 1
     validate_args(args)
+    if not under_torchrun():  # (the ranks check again, with the launched world size)
+        check_fsdp(args, nproc * args.nnodes)
     if not under_torchrun() and (nproc > 1 or args.nnodes > 1):
         check_inputs(args, plan_dir=build_plan is None)  # the ranks check again; this fails before any starts
         if args.nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)

@@ -17,6 +17,18 @@ def _seeds(value: str) -> list[int]:
     return cli.build_parser().parse_args(["compare", "--seeds", value]).seeds
 
 
+def _refused(value: str, capsys: pytest.CaptureFixture) -> str:
+    """The one stderr line of ``clusterlm compare --seeds=VALUE`` (parsed only: a regression never runs compare)."""
+    with pytest.raises(SystemExit) as info:
+        parsed = cli.build_parser().parse_args(["compare", f"--seeds={value}"])  # = : "-1," is no option
+        pytest.fail(f"--seeds={value} was accepted: {parsed.seeds}")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    lines = nonblank_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 @pytest.mark.parametrize(("value", "seeds"), [("3", [0, 1, 2]), ("1", [0]), ("0,", [0]), ("5,", [5]),
                                               ("0,5,7", [0, 5, 7]), (" 2 , 4 ", [2, 4]), ("0,1,", [0, 1])])
 def test_a_count_a_list_and_one_chosen_seed(value: str, seeds: list[int]) -> None:
@@ -24,11 +36,7 @@ def test_a_count_a_list_and_one_chosen_seed(value: str, seeds: list[int]) -> Non
 
 
 def test_seeds_zero_is_refused_naming_the_single_seed_form(capsys: pytest.CaptureFixture) -> None:
-    assert run_cli(["compare", "--seeds", "0"]) == 2
-    err = capsys.readouterr().err
-    lines = nonblank_lines(err)
-    assert len(lines) == 1 and "Traceback" not in err, err
-    line = lines[0]
+    line = _refused("0", capsys)
     assert line.startswith("clusterlm compare: error: argument --seeds:") and "'0'" in line
     assert "for seed 0 alone write --seeds 0," in line  # the one form that means "seed 0 only"
     assert "a count >= 1" in line  # why 0 is refused: as a bare integer it counts seeds
@@ -36,10 +44,8 @@ def test_seeds_zero_is_refused_naming_the_single_seed_form(capsys: pytest.Captur
 
 @pytest.mark.parametrize("value", ["-1,", "x", ",", "", "1,1", "2.5", "-3"])
 def test_bad_seeds_are_one_line_naming_both_forms(value: str, capsys: pytest.CaptureFixture) -> None:
-    assert run_cli(["compare", f"--seeds={value}"]) == 2  # = : argparse reads "-1," as an option otherwise
-    lines = nonblank_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and "a count >= 1 (3 = seeds 0,1,2)" in lines[0] and "one seed: 5," in lines[0]
-    assert "for seed 0 alone" not in lines[0]
+    line = _refused(value, capsys)
+    assert "a count >= 1 (3 = seeds 0,1,2)" in line and "one seed: 5," in line and "for seed 0 alone" not in line
 
 
 def test_the_help_names_the_single_seed_form(capsys: pytest.CaptureFixture) -> None:

@@ -5,6 +5,8 @@ every method through the same trainer and differs only in the data:
 
 - :mod:`clusterlm.baselines.random`: :func:`full_plan` (all data) and :func:`random_plan` (uniform
   sample at the same budget).
+- :mod:`clusterlm.baselines.longest`: :func:`longest_plan` (the examples with the most answer tokens at the
+  same example budget: the length baseline).
 
 - :mod:`clusterlm.baselines.s2l`: :func:`s2l_plan` (loss trajectories of a small proxy, K-means, even
   sampling of clusters smallest first; Yang et al., NeurIPS 2024).
@@ -27,13 +29,14 @@ from typing import Any
 
 from clusterlm.baselines.ifd import ifd_plan
 from clusterlm.baselines.less import LessConfig, less_plan
+from clusterlm.baselines.longest import longest_plan
 from clusterlm.baselines.random import full_plan, random_plan
 from clusterlm.baselines.s2l import S2LConfig, s2l_plan
 from clusterlm.plan import Plan
 
 __all__ = [
     "BASELINE_SPECS", "MODEL_BASELINES", "LessConfig", "S2LConfig", "baseline_plan", "full_plan", "ifd_plan",
-    "is_baseline_spec", "less_plan", "random_plan", "s2l_plan",
+    "is_baseline_spec", "less_plan", "longest_plan", "random_plan", "s2l_plan",
 ]
 
 # The --plan values that name a baseline instead of a plan directory.
