@@ -70,7 +70,7 @@ from clusterlm.metrics import SUMMARY
 from clusterlm.models import load_model, resolve_device
 from clusterlm.select import select
 from clusterlm.store import FeatureStore
-from clusterlm.stats import Delta, bootstrap_delta, interval_text, seeds_to_resolve
+from clusterlm.stats import Delta, bootstrap_delta, bootstrap_loss, interval_text, seeds_to_resolve
 from clusterlm.train import launch
 
 __all__ = ["EVAL_LOSSES", "METHODS", "N_VALIDATION", "STATE", "MethodSpec", "goals", "markdown_table", "parse_method",
@@ -311,7 +311,8 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
     state_path = out / STATE
     wanted = _units(args)
     ratio_of = {k: r for r, k in keys.items()}  # records of other settings have other keys: kept apart
-    earlier = {(ratio_of[r["key"]], r["method"], r["seed"]): r for r in read_state(state_path) if r.get("key") in ratio_of}
+    earlier = {(ratio_of[r["key"]], r["method"], r["seed"]): r for r in read_state(state_path)
+               if r.get("key") in ratio_of}
     done = {u: {**earlier[u], "ratio": u[0]} for u in wanted if u in earlier}
     todo = [u for u in wanted if u not in done]
     print(f"compare: {len(args.methods)} method(s) x {len(args.seeds)} seed(s) x {len(args.ratios)} ratio(s); "
@@ -597,6 +598,24 @@ def _vs_reference(rs: list[dict[str, Any]], ref: list[dict[str, Any]], name: str
             f"seeds_for_1pct_vs_{name}": seeds_to_resolve(d, ref_loss),
             f"eval_sd_vs_{name}": math.sqrt(d.eval_var),
             f"seed_sd_vs_{name}": None if math.isnan(d.seed_var) else math.sqrt(d.seed_var)}
+
+
+def frontier(records: list[dict[str, Any]], methods: list[str], ratios: list[float]) -> list[dict[str, Any]]:
+    """Cost and quality of every (ratio, method): tokens trained, selection / training / total seconds and held-out
+    loss (means over seeds) with the loss's 95 % interval (seeds, then evaluation examples); full data at ratio 1."""
+    points = [(1.0, "full")] if "full" in methods else []
+    points += [(r, m) for r in ratios for m in methods if m != "full"]
+    out = []
+    for ratio, m in points:
+        rs = [r for r in records if r["method"] == m and (m == "full" or r["ratio"] == ratio)]
+        if not rs or any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in rs):
+            continue
+        sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in rs}
+        loss, low, high = bootstrap_loss(*_loss_arrays(rs, 0 not in sizes and len(sizes) == 1), n_boot=N_BOOT)
+        row = {"ratio": ratio, "method": m, "seeds": len(rs)}
+        row.update({f: float(np.mean([r[f] for r in rs])) for f in ("tokens", "selection_s", "train_s", "total_s")})
+        out.append({**row, "eval_loss": loss, "ci95": [low, high]})
+    return out
 
 
 def _verdict_part(m: str, row: dict[str, Any], ref: str, ref_row: dict[str, Any]) -> str:
