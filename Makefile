@@ -39,8 +39,10 @@ $(VENV)/.real-model: $(VENV)/.native
 
 real-model: $(VENV)/.real-model
 
+# bench_kmeans_faiss.py prints issue 22's table: our Lloyd iterations next to faiss, each goal met or missed.
 bench: install
-	$(PIP) install -q -e ".[bench]"
+	$(PIP) install -q --no-build-isolation -e ".[bench]"
+	$(PY) benchmarks/bench_kmeans_faiss.py
 	$(PY) benchmarks/compare_kmeans.py
 	$(PY) benchmarks/bench_token_balance.py
 	$(PY) benchmarks/render_benchmarks.py

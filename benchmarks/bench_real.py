@@ -16,7 +16,10 @@ assistant turn is trained and evaluated).
 Stages, in the order they run (each unit is resumable: a killed run continues with the units not done):
 
 1. ``main``: every method at seed 0, then ``--seeds`` seeds for the ``--seed-methods`` (default full, random,
-   cluster and cluster-tokens; the slow baselines S2L, IFD, LESS and the other variants keep their one seed);
+   longest, cluster with its 64-token window, ``cluster[feature_tokens=32]`` and cluster-whole: the feature-window
+   decision, :func:`window_decision`; cluster-tokens, cluster-paper and the slow baselines S2L, IFD, LESS keep their
+   one seed). From the per-unit times measured earlier (BENCHMARKS.md) the main stage takes about 100 minutes and the
+   LoRA stage about 12 on 2 cores; ``--methods`` without s2l and less saves about 20 minutes;
 2. ``lora``: full, random and cluster once with LoRA (``--lora-r``) instead of full fine-tuning.
 
 The result (``benchmarks/results/compare_real.json``) holds the tables and the issue's goals with the
@@ -43,8 +46,11 @@ from bench_compare import print_targets, targets  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compare_real.json"
 MODEL = "smollm2-135m-instruct"
-FAST = ("full", "random", "cluster", "cluster-tokens")
-ALL = ("full", "random", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper", "ifd", "s2l", "less")
+# The feature-window decision (issue 23, item 5): cluster (64-token window), a 32-token window and whole examples at
+# every seed, beside full, random and the length baseline.
+WINDOWS = ("cluster", "cluster[feature_tokens=32]")
+FAST = ("full", "random", "longest", *WINDOWS, "cluster-whole")
+ALL = (*FAST, "cluster-tokens", "cluster-paper", "ifd", "s2l", "less")
 LORA = ("full", "random", "cluster")
 
 
@@ -88,8 +94,38 @@ def _finished(work: Path) -> dict[tuple[str, int], dict[str, Any]]:
     records = read_state(work / STATE)
     if not records:
         return {}
-    key = records[-1]["key"]
-    return {(r["method"], r["seed"]): r for r in records if r["key"] == key}
+    newest = {r.get("ratio"): r["key"] for r in records}  # full data is keyed at ratio 1, the others at --ratio
+    return {(r["method"], r["seed"]): r for r in records if r["key"] == newest[r.get("ratio")]}
+
+
+def window_decision(records: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """The feature-window decision: each window's held-out loss vs ``cluster-whole`` with its 95 % interval
+    (paired by seed, over seeds and evaluation examples); the default becomes the window not distinguishably worse
+    than whole examples (interval's low end <= 0) at the lowest selection cost, else whole examples."""
+    from clusterlm.compare import delta_between
+    from clusterlm.stats import interval_text
+
+    def of(method: str) -> list[dict[str, Any]]:
+        return [r for (m, _), r in sorted(records.items(), key=lambda kv: kv[0][1]) if m == method]
+
+    whole = of("cluster-whole")
+    if not whole:
+        return []
+    whole_s = float(np.mean([r["selection_s"] for r in whole]))
+    lines, fit = [], []
+    for m in WINDOWS:
+        d = delta_between(of(m), whole)
+        if d is None:
+            continue
+        sel = float(np.mean([r["selection_s"] for r in of(m)]))
+        lines.append(f"{m} vs cluster-whole: {interval_text(d)} held-out loss ({d.n_seeds} vs {len(whole)} seeds, "
+                     f"{'paired' if d.paired else 'unpaired'}); selection {sel:.1f} s vs {whole_s:.1f} s")
+        if d.low <= 0:
+            fit.append((sel, m))
+    choice = min(fit)[1] if fit else "cluster-whole (whole examples)"
+    lines.append(f"window decision (lowest selection cost among windows whose interval vs cluster-whole reaches 0 or "
+                 f"below): {choice}")
+    return lines
 
 
 def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple[Path, Path, dict[str, Any]]:
@@ -205,7 +241,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
             "notes": [],
         },
         {"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols, "rows": _rows(summary),
-         "notes": _notes(summary, args.epochs)},
+         "notes": _notes(summary, args.epochs) + window_decision(records)},
     ]
     if lora_summary:
         sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,
@@ -247,12 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "lora":  # the main stage ran earlier: report its units beside the LoRA ones
         records = _finished(work / "main")
     if args.stage in ("all", "main"):
-        for r in _compare(args, work / "main", data, heldout, methods, 1, lora=False)["records"]:
-            records[(r["method"], r["seed"])] = r
+        _compare(args, work / "main", data, heldout, methods, 1, lora=False)
         fast = [m for m in args.seed_methods.split(",") if m in methods]
         if args.seeds > 1 and fast:
-            for r in _compare(args, work / "main", data, heldout, fast, args.seeds, lora=False)["records"]:
-                records[(r["method"], r["seed"])] = r
+            _compare(args, work / "main", data, heldout, fast, args.seeds, lora=False)
+        records = _finished(work / "main")  # with every unit's per-example losses (the intervals)
     out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
     if args.stage in ("all", "lora"):
         lora_methods = [m for m in args.lora_methods.split(",") if m]

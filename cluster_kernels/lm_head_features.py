@@ -262,16 +262,17 @@ def lm_head_features_ref(
 # GPU autotune configs as ((BLOCK_T, BLOCK_V, BLOCK_D, num_warps, num_stages), precision, largest BLOCK_K), plain
 # tuples so that the compile gate (tests/cluster_kernels/test_aot_compile.py) and benchmarks/ptxas_report.py read
 # them without a GPU; each is spill-free on sm_80, sm_90 and sm_100 for every key :func:`vocab_configs_for` gives it
-# (BENCHMARKS.md has the register table). 16-bit inputs ("tf32": bf16/fp16 tensor-core logits, TF32 read-out) take
-# large tiles: W is re-read once per BLOCK_T tokens. float32 inputs ("ieee") run both products on the FMA units,
-# whose operands Triton replicates across threads, so their tiles stay small, and BLOCK_K = 64 / 128 read-outs
-# (the (BLOCK_T, BLOCK_K) accumulator and (BLOCK_V, BLOCK_K) P_out tile) take the smallest ones.
+# (BENCHMARKS.md has the register table; largest BLOCK_K 0 = the paper mode only, which has no read-out). 16-bit
+# inputs ("tf32": bf16/fp16 tensor-core logits, TF32 read-out) take large tiles: W is re-read once per BLOCK_T
+# tokens. float32 inputs ("ieee") run both products on the FMA units, whose operands Triton replicates across
+# threads, so their tiles stay small; the (BLOCK_T, BLOCK_K) read-out accumulator and (BLOCK_V, BLOCK_K) P_out tile
+# of BLOCK_K = 64 / 128 take the smallest ones.
 LMH_GPU_CONFIGS: tuple[tuple[tuple[int, int, int, int, int], str, int], ...] = (
     ((128, 64, 64, 8, 3), "tf32", 128),
-    ((64, 128, 64, 8, 2), "tf32", 64),
-    ((128, 128, 64, 8, 2), "tf32", 32),
     ((64, 64, 64, 4, 3), "tf32", 64),
-    ((64, 64, 32, 8, 2), "ieee", 32),
+    ((64, 128, 64, 8, 2), "tf32", 16),
+    ((128, 128, 64, 8, 2), "tf32", 0),
+    ((64, 64, 32, 8, 2), "ieee", 16),
     ((64, 32, 16, 4, 2), "ieee", 128),
     ((32, 64, 16, 4, 2), "ieee", 32),
     ((32, 32, 32, 4, 2), "ieee", 128),

@@ -206,8 +206,8 @@ def _work_items(cu: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
 # (tests/cluster_kernels/test_aot_compile.py) and benchmarks/ptxas_report.py can read them without a GPU. Each one
 # is spill-free on sm_80, sm_90 and sm_100 for every key where :func:`project_configs_for` keeps it (the gate
 # compiles them all; BENCHMARKS.md has the register table). IEEE fp32 dots (float32 inputs) run on the FMA units,
-# whose operands Triton replicates across threads: with a 64 x 64 block they need 8 warps and BLOCK_T <= 32. TF32
-# dots (16-bit inputs) use the tensor cores and afford 128-token tiles, which read P_in / P_out half as often.
+# whose operands Triton replicates across threads: they take 8 warps and BLOCK_T <= 32. TF32 dots (16-bit inputs)
+# use the tensor cores and afford 128-token tiles, which re-read P_in / P_out a quarter as often as 32-token ones.
 PLG_GPU_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (128, 32, 8, 2),
     (64, 64, 8, 2),
@@ -219,13 +219,9 @@ PLG_GPU_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
 
 def project_configs_for(precision: str, block_ko: int, block_ki: int) -> list[tuple[int, int, int, int]]:
     """The GPU configs the autotuner tries for one key: those that fit the registers (module comment above)."""
-    big = block_ko * block_ki >= 64 * 64
     if precision == "ieee":
-        if big:
-            return [c for c in PLG_GPU_CONFIGS if c[0] <= 32 and c[2] == 8]
-        if block_ko * block_ki > 16 * 16:
-            return [c for c in PLG_GPU_CONFIGS if c[0] <= 64 and c[2] == 8]
-        return [c for c in PLG_GPU_CONFIGS if c[0] <= 64]
+        return [c for c in PLG_GPU_CONFIGS if c[0] <= 32]
+    big = block_ko * block_ki >= 64 * 64
     return [c for c in PLG_GPU_CONFIGS if c[2] == 8 or not big]
 
 

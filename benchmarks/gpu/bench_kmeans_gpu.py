@@ -17,7 +17,8 @@ What is measured:
   the GPU) and ``backend="cpu"`` (wall clock, OpenMP on every core); faiss-gpu's unconstrained
   k-means when it imports. Median of 3 after an untimed warm-up on a 20 000-point slice; a CPU
   configuration whose first run exceeds ``--cpu-budget`` seconds is timed once. Each CUDA result is
-  checked against the CPU one (same labels, inertia).
+  checked against the CPU one (same labels, inertia). Without faiss-gpu, torch's own unconstrained Lloyd
+  iterations (:func:`torch_lloyd`: cuBLAS distances + argmin) are timed instead.
 * The distance kernel alone (``sqdist_tile_kernel``, float32, K=8, d=128), read from the PyTorch
   profiler's CUDA activity trace of ``assign_with_capacity``, against the floor of reading x once and
   writing D once at the device-to-device copy bandwidth measured in the same run (and the FP32 FMA
@@ -199,6 +200,10 @@ def section_end_to_end(sizes: list[int], reps: int, cpu_budget: float, d: int) -
 
             t_f, _, km = repeat(time_cpu, run_faiss, reps, cpu_budget)
             rows.append([n, "none", "faiss-gpu", t_f, MAX_ITER, t_f / MAX_ITER, float(km.obj[-1]), None, None])
+        else:  # torch's own matrix product + argmin, unconstrained, from the same first rows
+            init = xg[:K].clone()
+            t_t, _, out = repeat(time_cuda, lambda xg=xg, init=init: torch_lloyd(xg, init, MAX_ITER), reps, 1e9)
+            rows.append([n, "none", "torch addmm+argmin", t_t, MAX_ITER, t_t / MAX_ITER, out[2], None, None])
         del xg, run_gpu
         torch.cuda.empty_cache()
     section = {
@@ -222,9 +227,28 @@ def section_end_to_end(sizes: list[int], reps: int, cpu_budget: float, d: int) -
             "cuda: CUDA events around the call, data already on the GPU; cpu: wall clock, OpenMP on every core.",
             "Both paths stop at the same iteration (same decisions), so per-iteration times compare directly.",
             faiss_note,
+            "Without faiss-gpu: torch addmm+argmin, unconstrained Lloyd iterations in plain torch (cuBLAS "
+            "distances, argmin, index_add means) from the first K rows, as the reference for the GEMM-bound part.",
         ],
     }
     return section, raw, facts
+
+
+def torch_lloyd(x: torch.Tensor, init: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Unconstrained Lloyd iterations in plain torch (the reference where faiss-gpu is missing): distances
+    ``|x|^2 - 2 x c^T + |c|^2`` by one matrix product (cuBLAS on a GPU), argmin, cluster means by index_add
+    (an empty cluster keeps its centroid). Returns labels, centroids and the final objective."""
+    c = init.clone()
+    xn = (x * x).sum(1, keepdim=True)
+    for _ in range(iters):
+        dist = torch.addmm(xn, x, c.T, alpha=-2.0).add_((c * c).sum(1)[None, :])
+        labels = dist.argmin(1)
+        sums = torch.zeros_like(c).index_add_(0, labels, x)
+        counts = torch.bincount(labels, minlength=len(c)).to(x.dtype)[:, None]
+        c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+    dist = torch.addmm(xn, x, c.T, alpha=-2.0).add_((c * c).sum(1)[None, :])
+    best, labels = dist.min(1)
+    return labels, c, float(best.clamp_min(0).sum())
 
 
 def kernel_time_us(fn, name: str) -> tuple[float | None, str]:

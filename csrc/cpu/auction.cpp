@@ -223,6 +223,7 @@ class FloorAuction {
 
   int64_t run() {
     start(true);
+    if (at_free_argmin()) return rounds_;
     for (;;) {
       while (round()) {
       }
@@ -234,6 +235,15 @@ class FloorAuction {
   }
 
  private:
+  // After the first phase start: every price 0 and no cluster over its cap. Every point then sits at its exact
+  // argmin, which is optimal; the later phases would move no point (none is more than eps from its best) and
+  // make no pull (no positive price), so they are skipped. Prices and counts are global: every rank agrees.
+  bool at_free_argmin() const {
+    for (int64_t j = 0; j < b_.k; ++j)
+      if (p_[j] != 0.0 || counts_[j] > hi_[j]) return false;
+    return true;
+  }
+
   const Block& b_;
   const int64_t* hi_;
   std::vector<double>& p_;

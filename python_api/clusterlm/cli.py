@@ -374,6 +374,18 @@ def _seeds_arg(value: str) -> list[int]:
     return seeds
 
 
+def _ratios_arg(value: str) -> list[float]:
+    """``0.1,0.2,0.31,0.5``: distinct fractions in (0, 1]."""
+    try:
+        ratios = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        ratios = []
+    if not ratios or any(not 0 < r <= 1 for r in ratios) or len(set(ratios)) < len(ratios):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of distinct fractions in (0, 1], e.g. 0.1,0.2,0.31,0.5, got {value!r}")
+    return ratios
+
+
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     """Add ``clusterlm compare``'s options to ``p``."""
     p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
@@ -381,6 +393,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
                    help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
     p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")
+    p.add_argument("--ratios", type=_ratios_arg, default=None,
+                   help="several budgets (a cost/quality frontier): e.g. 0.1,0.2,0.31,0.5; every method runs at each "
+                   "(full data once); the first is the primary one; replaces --ratio")
     p.add_argument("--world-size", type=int, default=2, help="training ranks (processes / GPUs)")
     p.add_argument("--methods", type=_methods_arg, default=list(METHODS),
                    help=f"comma list of {', '.join(METHODS)}; a cluster method may carry selection settings, e.g. "

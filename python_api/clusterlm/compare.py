@@ -18,13 +18,22 @@ Methods (``--methods``, comma-separated; default all):
   K-means and their greedy 1.5 N / K cap, :mod:`clusterlm.paper`);
 - ``cluster-paper-exact``: the ``paper`` preset on this library's exact capacity K-means
   (``clustering="exact"``): the same steps, the cap met exactly;
-- ``s2l`` / ``ifd`` / ``less``: :mod:`clusterlm.baselines.s2l`, :mod:`.ifd`, :mod:`.less`.
+- ``longest``: the examples with the most answer tokens at the same example budget
+  (:func:`clusterlm.baselines.longest_plan`);
+- ``s2l`` / ``ifd`` / ``less``: :mod:`clusterlm.baselines.s2l`, :mod:`.ifd`, :mod:`.less`;
+- a cluster method with selection settings, ``cluster[feature_tokens=32,within_cluster=kcenter]``
+  (:func:`parse_method`): any :class:`clusterlm.SelectConfig` setting but the budget, world size and seed; its
+  label is the spec as written.
 
-For every ``(method, seed)``: the selection runs in this process on the loaded model and is timed
+``--ratios 0.1,0.2,0.31`` runs every method at each budget (full data once, at ratio 1); the cluster methods'
+features are computed once per model, data and feature settings into ``OUT/features/`` and reused by every
+cluster method and ratio with those settings (a reusing unit is still charged the features' computing time).
+
+For every ``(ratio, method, seed)``: the selection runs in this process on the loaded model and is timed
 (wall clock of the selection call: everything a method needs — features, forwards, proxy training,
 LoRA warm-up, clustering; model and data loading, common to all methods, are not counted); its plan
-is saved to ``OUT/runs/<method>-s<seed>/plan`` and trained by the reference trainer
-(:func:`clusterlm.train.launch`, ``--nproc`` = world size) with identical hyper-parameters, seed and
+is saved to ``OUT/runs/<method>-r<ratio>-s<seed>/plan`` (full data: ``full-s<seed>``) and trained by the
+reference trainer (:func:`clusterlm.train.launch`, ``--nproc`` = world size) with identical hyper-parameters, seed and
 held-out data for every method; training seconds = the trainer's ``train_time_s`` (the sum over steps
 of the slowest rank's step time: training proper, without model loading and evaluation); total =
 selection + training. Held-out loss = the trainer's final token-weighted answer loss on the
@@ -36,10 +45,14 @@ other examples are never mixed).
 Selection runs with ``world_size x --threads`` torch threads on CPU: the CPU budget the training ranks
 have together.
 
-Resumable: each finished ``(method, seed)`` is appended to ``OUT/compare_state.jsonl`` with a key of the
-settings; a rerun with the same settings skips those and runs the rest (a unit killed mid-way is
-redone from its start). Outputs: ``compare.json`` (records and per-method mean/std), ``compare.md``
-(the table) and ``compare.png`` (time bars and held-out loss with std error bars).
+Resumable: each finished ``(ratio, method, seed)`` is appended to ``OUT/compare_state.jsonl`` with a key of the
+settings at its ratio (with its per-example held-out losses); a rerun with the same settings skips those and
+runs the rest (a unit killed mid-way is redone from its start). Outputs: ``compare.json`` (records, per-method
+mean/std and the differences to random and to full data with their 95 % intervals, per ratio; the
+``frontier``), ``eval_losses.json`` (every unit's per-example losses), ``compare.md`` (tables and one
+``verdict:`` line per method) and ``compare.png`` (time bars, held-out loss with std error bars, the frontier).
+Intervals: :mod:`clusterlm.stats` (two-level bootstrap over seeds and evaluation examples, paired by seed when
+the methods ran the same seeds).
 """
 
 from __future__ import annotations
@@ -69,12 +82,13 @@ from clusterlm.engine import CKPT_DIR, EVAL_EXAMPLES
 from clusterlm.metrics import SUMMARY
 from clusterlm.models import load_model, resolve_device
 from clusterlm.select import select
-from clusterlm.store import FeatureStore
 from clusterlm.stats import Delta, bootstrap_delta, bootstrap_loss, interval_text, seeds_to_resolve
+from clusterlm.store import FeatureStore
 from clusterlm.train import launch
 
-__all__ = ["EVAL_LOSSES", "METHODS", "N_VALIDATION", "STATE", "MethodSpec", "goals", "markdown_table", "parse_method",
-           "parse_methods", "read_state", "run_compare", "summarize", "verdicts"]
+__all__ = ["EVAL_LOSSES", "METHODS", "N_VALIDATION", "STATE", "MethodSpec", "delta_between", "frontier", "goals",
+           "markdown_table", "parse_method", "parse_methods",
+           "selection_tokens", "read_state", "run_compare", "summarize", "verdicts"]
 
 METHODS = ("full", "random", "longest", "cluster", "cluster-tokens", "cluster-whole", "cluster-paper",
            "cluster-paper-exact", "s2l", "ifd", "less")
@@ -320,6 +334,7 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
     if todo:
         saved_threads = torch.get_num_threads()
         session = _Session.load(args, data_path, eval_path, run_here)
+        session.check_budgets()
         for ratio, method, seed in todo:
             run_dir = out / "runs" / _run_name(ratio, method, seed)
             record = {"key": keys[ratio], "ratio": ratio,
@@ -430,6 +445,7 @@ class _Session:
     n_eval: int
     use_cuda: bool
     run_here: Callable[[list[str]], int] | None
+    model_load_s: float = 0.0  # loading the selection model: once, shared by every unit
 
     @classmethod
     def load(cls, args: argparse.Namespace, data_path: str, eval_path: str,
@@ -439,7 +455,9 @@ class _Session:
         if not use_cuda:
             torch.set_num_threads(max(1, args.threads * args.world_size))
         # the selection model (features, S2L's and LESS's proxies), straight onto its device in --dtype
+        t0 = time.perf_counter()
         model, tokenizer, model_id = load_model(args.model, device=device, dtype=getattr(args, "dtype", "auto"))
+        model_load_s = time.perf_counter() - t0
         rendering = CHAT_TEMPLATE_MODES[args.chat_template]
         data = load_data(data_path, tokenizer, max_length=args.max_length, progress=False, chat_template=rendering)
         eval_set = load_data(eval_path, tokenizer, max_length=args.max_length, progress=False,
@@ -455,7 +473,20 @@ class _Session:
         n_eval = n_eval_all - n_validation
         if args.eval_max_examples:
             n_eval = min(n_eval, args.eval_max_examples)
-        return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda, run_here)
+        return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda, run_here,
+                   model_load_s)
+
+    def check_budgets(self) -> None:
+        """Every cluster method at every ratio against the data (examples per cluster, size bounds), before any
+        selection: one line naming the method and ratio."""
+        for label in self.args.methods:
+            spec = parse_method(label)
+            for ratio in self.args.ratios if spec.base in CLUSTER_METHODS else ():
+                try:
+                    _method_config(spec, self.args.world_size, ratio, 0).resolve(len(self.data), self.data.lengths)
+                except ValueError as e:
+                    raise ValueError(f"compare: {label} at ratio {ratio:g} of {len(self.data)} examples: "
+                                     f"{str(e).removeprefix('select: ')}") from None
 
     def feature_store(self, method: str, seed: int, root: Path) -> Path | None:
         """The feature store of a cluster unit: one per model, data and feature settings, shared by every cluster
@@ -530,8 +561,24 @@ class _Session:
             "fraction": plan.n_selected / len(self.data), "steps": summary["steps"],
             "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
             "eval_examples": {"loss_sums": per_example["loss_sums"], "tokens": per_example["tokens"]},
-            "features_reused": reused, "selection_measured_s": measured_s,
+            "features_reused": reused, "selection_measured_s": measured_s, "model_load_s": self.model_load_s,
+            "selection_tokens": selection_tokens(method, plan, self.data.lengths),
         }
+
+
+def selection_tokens(method: str, plan: Any, lengths: Any) -> int | None:
+    """Tokens the selection's model read, in the units of tokens trained: a cluster method reads every example's
+    feature window (``min(length, window)`` tokens, :func:`clusterlm.features.feature_window`; the whole example
+    without a window); full, random and longest read none; None for S2L, IFD and LESS (proxy training and several
+    passes: not counted)."""
+    base = parse_method(method).base
+    if base in ("full", "random", "longest"):
+        return 0
+    if base not in CLUSTER_METHODS:
+        return None
+    window = (plan.config.get("features") or {}).get("max_tokens")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return int(lengths.sum() if window is None else np.minimum(lengths, int(window)).sum())
 
 
 def _charge_features(store: Path, plan: Any, measured_s: float, reused: bool) -> float:
@@ -542,7 +589,9 @@ def _charge_features(store: Path, plan: Any, measured_s: float, reused: bool) ->
     if not reused or not cost.is_file():
         atomic_write_text(cost, json.dumps({"features_s": features_s}) + "\n")
         return measured_s
-    return measured_s - features_s + float(json.loads(cost.read_text(encoding="utf-8"))["features_s"])
+    computed_s = float(json.loads(cost.read_text(encoding="utf-8"))["features_s"])
+    plan.timings = {**plan.timings, "features": computed_s, "features_read": features_s}
+    return measured_s - features_s + computed_s
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -563,12 +612,26 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, di
         row: dict[str, Any] = {"seeds": len(rs), "fraction": float(np.mean([r["fraction"] for r in rs]))}
         for field in ("selection_s", "train_s", "total_s", "eval_loss", "tokens"):
             row[field], row[f"{field}_std"] = _mean_std([r[field] for r in rs])
+        row.update(_selection_cost(rs))
         out[m] = row
     for m, row in out.items():
         for ref in ("random", "full"):
             if by_method.get(ref):
                 row.update(_vs_reference(by_method[m], by_method[ref], ref))
     return out
+
+
+def _selection_cost(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Selection cost in training units: tokens read by the selection (mean over seeds; None when not counted),
+    its seconds split by stage (the plan's timings: features, kmeans, picks, ...; mean over seeds), and the
+    selection model's load time (once per compare, shared by every method; not in ``selection_s``)."""
+    tokens = [r.get("selection_tokens") for r in rs]
+    split: dict[str, float] = {}
+    for key in sorted({k for r in rs for k in (r.get("timings") or {}) if k != "total"}):
+        split[key] = float(np.mean([float((r.get("timings") or {}).get(key, 0.0)) for r in rs]))
+    loads = [r["model_load_s"] for r in rs if r.get("model_load_s") is not None]
+    return {"selection_tokens": None if None in tokens else float(np.mean(tokens)), "selection_split_s": split,
+            "model_load_s": float(np.mean(loads)) if loads else None}
 
 
 def _loss_arrays(rs: list[dict[str, Any]], per_example: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -579,19 +642,30 @@ def _loss_arrays(rs: list[dict[str, Any]], per_example: bool) -> tuple[np.ndarra
     return np.asarray([[r["eval_loss"]] for r in rs], dtype=np.float64), np.ones((len(rs), 1))
 
 
+def delta_between(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> Delta | None:
+    """Held-out loss of the units ``rs`` minus that of ``ref`` (compare records of two methods), with the
+    two-level bootstrap interval (:func:`clusterlm.stats.bootstrap_delta`: paired by seed when both ran the same
+    seeds; over the evaluation examples when every record has its per-example losses, else over seeds only).
+    None when a loss is missing."""
+    both = rs + ref
+    if not rs or not ref or any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in both):
+        return None
+    sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in both}
+    per_example = 0 not in sizes and len(sizes) == 1
+    return bootstrap_delta(*_loss_arrays(rs, per_example), *_loss_arrays(ref, per_example),
+                           seeds_a=[r["seed"] for r in rs], seeds_b=[r["seed"] for r in ref], n_boot=N_BOOT, seed=0)
+
+
 def _vs_reference(rs: list[dict[str, Any]], ref: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """``delta_vs_<name>``, ``ci95_vs_<name>``, whether the seeds were paired, the seeds that would resolve 1 %.
 
     The interval is :func:`clusterlm.stats.bootstrap_delta`'s (seeds, then evaluation examples; paired by seed when
     both ran the same seeds); runs recorded without per-example losses resample the seeds only.
     """
-    both = rs + ref
-    if any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in both):
+    d = delta_between(rs, ref)
+    if d is None:
         return {f"delta_vs_{name}": None, f"ci95_vs_{name}": None}
-    sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in both}
-    per_example = 0 not in sizes and len(sizes) == 1
-    d = bootstrap_delta(*_loss_arrays(rs, per_example), *_loss_arrays(ref, per_example),
-                        seeds_a=[r["seed"] for r in rs], seeds_b=[r["seed"] for r in ref], n_boot=N_BOOT, seed=0)
+    per_example = all(r.get("eval_examples") for r in rs + ref) and d.n_examples > 1
     ref_loss = float(np.mean([r["eval_loss"] for r in ref]))
     return {f"delta_vs_{name}": d.delta, f"ci95_vs_{name}": [d.low, d.high], f"paired_vs_{name}": d.paired,
             f"interval_vs_{name}": "seeds x eval examples" if per_example else "seeds only",
@@ -633,7 +707,7 @@ def _verdict_part(m: str, row: dict[str, Any], ref: str, ref_row: dict[str, Any]
     if d.distinguishable:
         return text
     if n is not None:
-        return text + f"; ~{n} seeds would resolve 1 %"
+        return text + f"; ~{n} seeds would resolve a 1 % difference"
     if row[f"seed_sd_vs_{ref}"] is None:
         return text + "; one seed: run >= 2 seeds to know how many would resolve 1 %"
     return text + "; the evaluation set alone is too small to resolve 1 % (add evaluation examples)"
@@ -674,29 +748,70 @@ def goals(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The comparison as a markdown table (mean ± std over seeds)."""
-    lines = [f"Comparison at ratio {result['settings']['ratio']}, world size {result['settings']['world_size']}, "
-             f"model {result['settings']['model']}, seeds {result['seeds']}.", "",
-             "| method | fraction | tokens trained | selection s | training s | total s | held-out loss |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    def pm(row: dict[str, Any], f: str, digits: int) -> str:
-        if row["seeds"] < 2:
-            return f"{row[f]:.{digits}f}"  # one seed: no spread to show
-        return f"{row[f]:.{digits}f} ± {row[f + '_std']:.{digits}f}"
-
-    for m, row in result["summary"].items():
-        lines.append(f"| {m} | {row['fraction']:.3f} | {row['tokens']:,.0f} | {pm(row, 'selection_s', 2)} | "
-                     f"{pm(row, 'train_s', 1)} | "
-                     f"{pm(row, 'total_s', 1)} | {pm(row, 'eval_loss', 4)} |")
-    lines += ["", *verdicts(result["summary"])]
+    """The comparison as markdown: per ratio a table (mean ± std over seeds) and one ``verdict:`` line per method;
+    the frontier across ratios; the goals at the first ratio."""
+    st = result["settings"]
+    by_ratio = result.get("summary_by_ratio") or {f"{st['ratio']:g}": result["summary"]}
+    lines = [f"Comparison at ratio(s) {', '.join(by_ratio)}, world size {st['world_size']}, model {st['model']}, "
+             f"seeds {result['seeds']}."]
+    for ratio, summary in by_ratio.items():
+        if len(by_ratio) > 1:
+            lines += ["", f"### ratio {ratio}"]
+        lines += ["", *_summary_table(summary), "", *verdicts(summary)]
+    if len(by_ratio) > 1:
+        lines += ["", f"### selection cost at ratio {next(iter(by_ratio))}"]
+    lines += ["", *_cost_table(next(iter(by_ratio.values())))]
+    if len(result.get("frontier") or []) > 1 and len(by_ratio) > 1:
+        lines += ["", "### frontier (held-out loss against cost; 95 % interval over seeds and evaluation examples)", "",
+                  "| ratio | method | tokens trained | selection s | training s | total s | held-out loss [95 %] |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['ratio']:g} | {p['method']} | {p['tokens']:,.0f} | {p['selection_s']:.2f} | "
+                  f"{p['train_s']:.1f} | {p['total_s']:.1f} | {p['eval_loss']:.4f} [{p['ci95'][0]:.4f}, "
+                  f"{p['ci95'][1]:.4f}] |" for p in result["frontier"]]
+    if result.get("features_note"):
+        lines += ["", result["features_note"]]
     if result.get("goals"):
         lines += ["", "| ratio | value |", "|---|---:|"]
         lines += [f"| {k} | {v:.4f} |" for k, v in result["goals"].items()]
     return "\n".join(lines)
 
 
+def _cost_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Selection cost in training units: tokens read vs trained, seconds by stage (means over seeds)."""
+    rows = [(m, r) for m, r in summary.items() if "selection_split_s" in r]
+    loads = [r["model_load_s"] for _, r in rows if r.get("model_load_s") is not None]
+    lines = ["| method | tokens read by selection | tokens trained | read / trained | selection s by stage |",
+             "|---|---:|---:|---:|---|"]
+    for m, r in rows:
+        read = r.get("selection_tokens")
+        shown = "not counted" if read is None else f"{read:,.0f}"
+        ratio = "" if read is None or not r["tokens"] else f"{read / r['tokens']:.2f}"
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in r["selection_split_s"].items()) or "-"
+        lines.append(f"| {m} | {shown} | {r['tokens']:,.0f} | {ratio} | {stages} |")
+    if loads:
+        lines += ["", f"model load (once, shared by every method, not in selection s): {max(loads):.2f} s"]
+    return lines
+
+
+def _summary_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["| method | fraction | tokens trained | selection s | training s | total s | held-out loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def pm(row: dict[str, Any], f: str, digits: int) -> str:
+        if row["seeds"] < 2:
+            return f"{row[f]:.{digits}f}"  # one seed: no spread to show
+        return f"{row[f]:.{digits}f} ± {row[f + '_std']:.{digits}f}"
+
+    for m, row in summary.items():
+        lines.append(f"| {m} | {row['fraction']:.3f} | {row['tokens']:,.0f} | {pm(row, 'selection_s', 2)} | "
+                     f"{pm(row, 'train_s', 1)} | {pm(row, 'total_s', 1)} | {pm(row, 'eval_loss', 4)} |")
+    return lines
+
+
 def plot_compare(result: dict[str, Any], path: Path) -> Path | None:
-    """``compare.png``: stacked selection + training seconds, and held-out loss with std error bars."""
+    """``compare.png``: at the first ratio, stacked selection + training seconds and held-out loss with std error
+    bars; and the frontier: held-out loss against total seconds per method across the ratios, with the 95 %
+    intervals and the full-data point."""
     summary = result["summary"]
     if not summary:
         return None
@@ -711,7 +826,7 @@ def plot_compare(result: dict[str, Any], path: Path) -> Path | None:
     tr = np.array([summary[m]["train_s"] for m in names])
     loss = np.array([summary[m]["eval_loss"] for m in names])
     loss_std = np.array([summary[m]["eval_loss_std"] for m in names])
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 4.6))
     ax0.bar(x, sel, color="tab:orange", label="selection")
     ax0.bar(x, tr, bottom=sel, color="tab:blue", label="training")
     ax0.set_xticks(x, names, rotation=20)
@@ -726,9 +841,32 @@ def plot_compare(result: dict[str, Any], path: Path) -> Path | None:
         ax1.set_ylim(float(finite.min()) - span, float(finite.max()) + span)
     ax1.set_xticks(x, names, rotation=20)
     ax1.set_ylabel("held-out answer loss")
-    ax1.set_title("held-out loss (mean ± std over seeds)")
+    ax1.set_title(f"held-out loss at ratio {result['settings']['ratio']:g} (mean ± std over seeds)")
     ax1.grid(axis="y", alpha=0.3)
+    _plot_frontier(ax2, result.get("frontier") or [])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_frontier(ax: Any, points: list[dict[str, Any]]) -> None:
+    """Held-out loss against total seconds, one line per method over its ratios (labelled), full data a star."""
+    for i, m in enumerate(dict.fromkeys(p["method"] for p in points)):
+        ps = sorted((p for p in points if p["method"] == m), key=lambda p: p["ratio"])
+        x = [p["total_s"] for p in ps]
+        y = np.array([p["eval_loss"] for p in ps])
+        err = np.array([[p["eval_loss"] - p["ci95"][0] for p in ps], [p["ci95"][1] - p["eval_loss"] for p in ps]])
+        style = ({"marker": "*", "markersize": 14, "color": "black"} if m == "full"
+                 else {"marker": "o", "color": f"C{i}"})
+        ax.errorbar(x, y, yerr=np.maximum(err, 0), capsize=3, label=m, linestyle="-" if len(ps) > 1 else "none",
+                    **style)
+        for p in ps if m != "full" else ():
+            ax.annotate(f"{p['ratio']:g}", (p["total_s"], p["eval_loss"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+    ax.set_xlabel("total seconds (selection + training, mean over seeds)")
+    ax.set_ylabel("held-out answer loss")
+    ax.set_title("frontier: loss vs cost per ratio (95 % intervals)")
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=7)

@@ -304,7 +304,8 @@ def export_files(plan_dir: str | os.PathLike, data: Any, out_dir: str | os.PathL
             max_length = (plan.config.get("data") or {}).get("max_length", DEFAULT_MAX_LENGTH)
         tokens = load_data(data, tokenizer, max_length=max_length, split=c.split, progress=False,
                            chat_template=c.chat_template)
-        columns = read_columns(data, c.split)
+        keep = tokens.source_indices  # the rows load_data kept: examples with an empty answer are skipped
+        columns = {name: [values[i] for i in keep] for name, values in read_columns(data, c.split).items()}
         columns["input_ids"] = [tokens[i]["input_ids"].tolist() for i in range(len(tokens))]
         columns["labels"] = [tokens[i]["labels"].tolist() for i in range(len(tokens))]
         source = datasets.Dataset.from_dict(columns)

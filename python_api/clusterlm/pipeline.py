@@ -187,6 +187,7 @@ def _select(job: SelectJob, info: DistInfo | None) -> Plan:
                      chat_template=CHAT_TEMPLATE_MODES[job.chat_template])
     if main_rank:
         truncated = f", {data.n_truncated} truncated to {job.max_length} tokens" if data.n_truncated else ""
+        truncated += f", {data.n_empty} skipped (empty answer)" if getattr(data, "n_empty", 0) else ""
         print(f"      data {job.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
               f"{int(data.lengths.sum())} tokens{truncated} [{time.perf_counter() - t0:.1f} s]")
     s = job.config.resolve(len(data), data.lengths)
@@ -272,5 +273,8 @@ def _feature_store(job: SelectJob, data: Any, model_id: str, s: ResolvedSelectio
 def _data_record(job: SelectJob, data: Any) -> dict[str, Any]:
     """What the plan records about its data: ``train`` takes max_length from it; with rendering, a mismatch of
     ``--max-length`` or ``--chat-template`` can be named instead of a differing content hash."""
-    return {"source": str(job.data), "max_length": job.max_length, "n_truncated": data.n_truncated,
-            "format": data.format, "rendering": data.rendering}
+    record = {"source": str(job.data), "max_length": job.max_length, "n_truncated": data.n_truncated,
+              "format": data.format, "rendering": data.rendering}
+    if getattr(data, "n_empty", 0):  # examples skipped for an empty answer (their 0-based lines in the source)
+        record |= {"n_empty": int(data.n_empty), "empty_indices": [int(i) for i in data.empty_indices]}
+    return record

@@ -4,8 +4,10 @@
   ones setup.py builds) with the build's nvcc flags (cluster_kernels/_cuda_build.py) and fails on a warning
   from our sources.
 * Every other test needs a CUDA GPU and an extension built with its CUDA part. The CUDA code repeats
-  every decision of the C++/OpenMP path (csrc/cpu/kmeans.cpp), so on the same inputs the labels are
-  the CPU's; costs are also checked against the float64 torch reference.
+  every decision of the C++/OpenMP path (csrc/cpu/kmeans.cpp) with the arithmetic of its portable distance
+  loop, so the CPU side of these comparisons runs that loop (``CLUSTER_KERNELS_BLAS=0``: its BLAS tiles
+  round differently) and on the same inputs the labels are the CPU's; costs are also checked against the
+  float64 torch reference.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def _gpu_skip_reason() -> str | None:
 
 
 GPU_SKIP = _gpu_skip_reason()
+
+
+@pytest.fixture(autouse=True)
+def _portable_cpu_distances(monkeypatch):
+    """The CPU path of every comparison runs the distance loop the CUDA kernels mirror (no BLAS tiles)."""
+    monkeypatch.setenv("CLUSTER_KERNELS_BLAS", "0")
 needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 
 
@@ -305,3 +313,24 @@ def test_assign_with_capacity_cuda_matches_cpu(dtype: torch.dtype, case: str, me
     assert_sizes(lab_gpu, k, case)
     assert torch.equal(lab_gpu.cpu(), lab_cpu)
     assert torch.allclose(dist_gpu.cpu().double(), dist_cpu.double(), rtol=1e-6, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU benchmark's CPU-side logic (no GPU needed)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_benchmark_imports_and_its_torch_reference_is_lloyd() -> None:
+    """benchmarks/gpu/bench_kmeans_gpu.py imports anywhere; its torch reference runs Lloyd iterations."""
+    import importlib.util
+
+    path = REPO / "benchmarks" / "gpu" / "bench_kmeans_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_kmeans_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = blobs(600, 5, 3, seed=2, dtype=torch.float64)
+    labels, cent, obj = bench.torch_lloyd(x, x[:3].clone(), 10)
+    ref = capacity_kmeans(x, 3, init=x[:3].clone(), max_iter=10, tol=0.0, backend="torch")
+    assert torch.equal(labels, ref.labels)
+    assert obj == pytest.approx(ref.inertia, rel=1e-9)
+    assert torch.allclose(cent, ref.centroids, atol=1e-9)

@@ -15,6 +15,12 @@ from cluster_kernels.lm_head_features import lm_head_features, lm_head_features_
 lmh = importlib.import_module("cluster_kernels.lm_head_features")
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# The Triton tests run on the GPU when there is one (benchmarks/gpu/run_all.sh), else in the interpreter.
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_dev(inputs):
+    return tuple(t.to(DEV) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 def make_inputs(lengths, d, vocab, k_i=5, k_o=7, dtype=torch.float32, seed=0, ignore_frac=0.3, logit_scale=1.0):
@@ -83,8 +89,8 @@ def test_torch_backend_matches_float64_definition(lengths, d, vocab, mode, use_b
 def test_triton_kernel_matches_float64_definition(mode, lengths, d, vocab, k_o, use_bias):
     inputs = make_inputs(lengths, d, vocab, k_o=k_o, seed=4, logit_scale=8.0)
     ref = call_ref(mode, *inputs, use_bias, True)
-    got = call(mode, *inputs, use_bias, True, backend="triton")
-    assert rel_err(got, ref) <= 1e-5
+    got = call(mode, *to_dev(inputs), use_bias, True, backend="triton")
+    assert rel_err(got.cpu(), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", ["paper", "projected"])
@@ -92,14 +98,23 @@ def test_triton_kernel_takes_fp16_inputs(mode):
     # bf16 products are checked on a GPU only: the interpreter has no bf16 arithmetic.
     inputs = make_inputs([6, 17], 24, 90, dtype=torch.float16, seed=6)
     ref = call_ref(mode, *inputs, True, True)
-    assert rel_err(call(mode, *inputs, True, True, backend="triton"), ref) <= TOL[torch.float16]
+    assert rel_err(call(mode, *to_dev(inputs), True, True, backend="triton").cpu(), ref) <= TOL[torch.float16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 products need a GPU (the interpreter has none)")
+@pytest.mark.parametrize("mode", ["paper", "projected"])
+@pytest.mark.parametrize("k_o", [7, 32, 130])
+def test_triton_kernel_takes_bf16_inputs_on_the_gpu(mode, k_o):
+    inputs = make_inputs([6, 170, 33], 576, 3000, k_o=k_o, dtype=torch.bfloat16, seed=7, logit_scale=4.0)
+    ref = call_ref(mode, *inputs, False, True)
+    assert rel_err(call(mode, *to_dev(inputs), False, True, backend="triton").cpu(), ref) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_large_logits_stay_finite(backend):
     inputs = make_inputs([9, 4], 12, 50, seed=2, logit_scale=300.0)
     for mode in ("paper", "projected"):
-        got = call(mode, *inputs, True, False, backend=backend)
+        got = call(mode, *(to_dev(inputs) if backend == "triton" else inputs), True, False, backend=backend).cpu()
         assert torch.isfinite(got).all()
         # logits of size ~300 carry an absolute fp32 error of ~300 * eps in z - lse, hence 1e-4 here
         assert rel_err(got, call_ref(mode, *inputs, True, False)) <= 1e-4

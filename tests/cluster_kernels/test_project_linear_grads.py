@@ -16,6 +16,12 @@ from cluster_kernels.project_linear_grads import project_linear_grads, project_l
 plg = importlib.import_module("cluster_kernels.project_linear_grads")
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# The Triton tests run on the GPU when there is one (benchmarks/gpu/run_all.sh), else in the interpreter.
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_dev(*tensors):
+    return tuple(t.to(DEV) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 def make_inputs(lengths, d_in, d_out, k_i, k_o, dtype=torch.float32, seed=0, weights=False, cu_dtype=torch.int64):
@@ -67,20 +73,30 @@ def test_torch_backend_matches_float64_definition(lengths, d_in, d_out, k_i, k_o
 def test_triton_kernel_matches_float64_definition(lengths, d_in, d_out, k_i, k_o, weights, chunk):
     x, g, cu, p_in, p_out, w = make_inputs(lengths, d_in, d_out, k_i, k_o, weights=weights, seed=1)
     ref = project_linear_grads_ref(x, g, cu, p_in, p_out, token_weights=w)
-    out = torch.zeros(len(lengths), k_o, k_i)
+    out = torch.zeros(len(lengths), k_o, k_i, device=DEV)
     cu_host = plg.check_cu_seqlens("test", cu, x.shape[0])
-    got = plg.project_linear_grads_triton(x, g, cu_host, p_in, p_out, w, out, chunk_tokens=chunk)
+    got = plg.project_linear_grads_triton(*to_dev(x, g), cu_host, *to_dev(p_in, p_out, w), out, chunk_tokens=chunk)
     assert got is out
-    assert rel_err(got, ref) <= 1e-5
+    assert rel_err(got.cpu(), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_kernel_takes_16_bit_inputs(dtype):
     x, g, cu, p_in, p_out, w = make_inputs([9, 30, 2], 40, 24, 8, 12, dtype=dtype, weights=True, seed=5)
     ref = project_linear_grads_ref(x, g, cu, p_in, p_out, token_weights=w)
-    got = project_linear_grads(x, g, cu, p_in, p_out, token_weights=w, backend="triton")
+    got = project_linear_grads(*to_dev(x, g, cu, p_in, p_out), token_weights=to_dev(w)[0], backend="triton")
     assert got.dtype == torch.float32
-    assert rel_err(got, ref) <= TOL[dtype]
+    assert rel_err(got.cpu(), ref) <= TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 products at scale: GPU only")
+@pytest.mark.parametrize(("k_i", "k_o", "weights"), [(16, 16, False), (64, 64, False), (32, 32, True), (70, 3, True)])
+def test_triton_kernel_default_shapes_on_the_gpu(k_i, k_o, weights):
+    for dtype in (torch.float32, torch.bfloat16):
+        x, g, cu, p_in, p_out, w = make_inputs([300, 1, 4000, 77], 576, 1536, k_i, k_o, dtype, seed=9, weights=weights)
+        ref = project_linear_grads_ref(x, g, cu, p_in, p_out, token_weights=w)
+        got = project_linear_grads(*to_dev(x, g, cu, p_in, p_out), token_weights=to_dev(w)[0], backend="triton")
+        assert rel_err(got.cpu(), ref) <= (1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
 def test_triton_dispatch_takes_int32_offsets_and_strided_inputs():
@@ -88,22 +104,26 @@ def test_triton_dispatch_takes_int32_offsets_and_strided_inputs():
     x_strided = torch.cat([x, x], dim=1)[:, ::2]  # stride (48, 2)
     assert not x_strided.is_contiguous()
     ref = project_linear_grads_ref(x_strided, g, cu, p_in, p_out, token_weights=w)
-    got = project_linear_grads(x_strided, g, cu, p_in, p_out.T.contiguous().T, token_weights=w, backend="triton")
-    assert rel_err(got, ref) <= 1e-5
+    x_dev = torch.cat([x, x], dim=1).to(DEV)[:, ::2]
+    got = project_linear_grads(x_dev, *to_dev(g, cu, p_in, p_out.T.contiguous().T, w)[:4], token_weights=to_dev(w)[0],
+                               backend="triton")
+    assert rel_err(got.cpu(), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_out_accumulates_layers_into_one_space_and_is_deterministic(backend):
     a = make_inputs([3, 9], 12, 10, 4, 5, seed=2)
     b = make_inputs([3, 9], 20, 6, 4, 5, seed=3)
-    out = torch.zeros(2, 5, 4)
-    project_linear_grads(*a[:5], out=out, backend=backend)
-    project_linear_grads(*b[:5], out=out, backend=backend)
+    dev = DEV if backend == "triton" else torch.device("cpu")
+    a_dev, b_dev = (tuple(t.to(dev) for t in a[:5]), tuple(t.to(dev) for t in b[:5]))
+    out = torch.zeros(2, 5, 4, device=dev)
+    project_linear_grads(*a_dev, out=out, backend=backend)
+    project_linear_grads(*b_dev, out=out, backend=backend)
     ref = project_linear_grads_ref(*a[:5]) + project_linear_grads_ref(*b[:5])
-    assert rel_err(out, ref) <= 1e-5
-    again = torch.zeros(2, 5, 4)
-    project_linear_grads(*a[:5], out=again, backend=backend)
-    project_linear_grads(*b[:5], out=again, backend=backend)
+    assert rel_err(out.cpu(), ref) <= 1e-5
+    again = torch.zeros(2, 5, 4, device=dev)
+    project_linear_grads(*a_dev, out=again, backend=backend)
+    project_linear_grads(*b_dev, out=again, backend=backend)
     assert torch.equal(out, again)
 
 

@@ -7,19 +7,23 @@ import argparse
 import json
 import math
 
+import numpy as np
 import pytest
 
 import clusterlm.cli as cli
 import clusterlm.compare as compare
 
 
+def _argv(tmp_path, data, heldout) -> list[str]:
+    return ["--data", str(data), "--eval-data", str(heldout), "--model", "tiny-llama", "--methods", "random,cluster",
+            "--seeds", "1", "--world-size", "1", "--max-steps", "2", "--micro-batch-size", "4", "--n-validation", "2",
+            "--out", str(tmp_path / "cmp"), "--no-progress"]
+
+
 def _args(tmp_path, data, heldout, **over) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_compare_args(parser)
-    argv = ["--data", str(data), "--eval-data", str(heldout), "--model", "tiny-llama", "--methods", "random,cluster",
-            "--seeds", "1", "--world-size", "1", "--max-steps", "2", "--micro-batch-size", "4", "--n-validation", "2",
-            "--out", str(tmp_path / "cmp"), "--no-progress"]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_argv(tmp_path, data, heldout))
     for k, v in over.items():
         setattr(args, k, v)
     return args
@@ -51,6 +55,14 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
     assert result["records"][1]["timings"]["features"] > 0  # the cluster selection really featurized
     assert "cluster_total_over_random_total" in result["goals"]
     assert (out / "compare.png").stat().st_size > 0 and "| cluster |" in (out / "compare.md").read_text()
+    # every unit's per-example held-out losses next to compare.json; the interval of cluster vs random in the summary
+    units = json.loads((out / compare.EVAL_LOSSES).read_text())["units"]
+    assert [len(u["tokens"]) for u in units] == [10, 10] and all(t > 0 for t in units[0]["tokens"])
+    assert sum(units[1]["loss_sums"]) / sum(units[1]["tokens"]) == pytest.approx(result["records"][1]["eval_loss"])
+    row = result["summary"]["cluster"]
+    assert row["ci95_vs_random"][0] <= row["delta_vs_random"] <= row["ci95_vs_random"][1]
+    assert row["interval_vs_random"] == "seeds x eval examples" and "delta_vs_full" not in row
+    assert "verdict: cluster vs random: " in (out / "compare.md").read_text()
     state = (out / compare.STATE).read_text()
     assert len(state.splitlines()) == 2
 
@@ -76,25 +88,148 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
     assert calls == ["random", "train"]
 
 
-def test_compare_argument_errors(small_demo, tmp_path):
+def _main(tmp_path, data, heldout, *extra: str) -> int:
+    """``clusterlm compare`` with the small settings and ``extra``: its exit status (a parse error's too)."""
+    try:
+        return cli.main(["compare", *_argv(tmp_path, data, heldout), *extra])
+    except SystemExit as e:
+        return int(e.code)
+
+
+def test_frontier_over_ratios_with_longest_and_a_variant_reuses_features(small_demo, tmp_path, monkeypatch):
     train, heldout = small_demo
-    assert cli.cmd_compare(_args(tmp_path, train, heldout, ratio=1.5)) == 2
-    assert cli.cmd_compare(_args(tmp_path, train, heldout, n_validation=10, methods=["random", "less"])) == 2
-    assert cli.cmd_compare(_args(tmp_path, train, heldout, n_validation=10)) == 2  # explicit: always held back
+    variant = "cluster[feature_tokens=8,within_cluster=kcenter]"
+    args = _args(tmp_path, train, heldout, methods=["random", "longest", variant], ratios=[0.2, 0.31], max_steps=1,
+                 n_validation=0)
+    assert cli.cmd_compare(args) == 0
+    out = tmp_path / "cmp"
+    result = json.loads((out / "compare.json").read_text())
+    assert [(p["ratio"], p["method"]) for p in result["frontier"]] == [(r, m) for r in (0.2, 0.31)
+                                                                      for m in ("random", "longest", variant)]
+    assert set(result["summary_by_ratio"]) == {"0.2", "0.31"} and result["summary"] == result["summary_by_ratio"]["0.2"]
+    recs = {(r["ratio"], r["method"]): r for r in result["records"]}
+    # longest trains the most answer tokens at the same example count
+    assert recs[(0.31, "longest")]["n_selected"] == recs[(0.31, "random")]["n_selected"]
+    assert recs[(0.31, "longest")]["tokens"] >= recs[(0.31, "random")]["tokens"]
+    # the variant's settings reached the selection; its features were computed at 0.2 and reused at 0.31, and the
+    # reusing unit is charged the features' computing time
+    assert recs[(0.2, variant)]["plan_config"]["within_cluster"] == "kcenter"
+    assert recs[(0.2, variant)]["plan_config"]["features"]["max_tokens"] == 8
+    assert not recs[(0.2, variant)]["features_reused"] and recs[(0.31, variant)]["features_reused"]
+    assert recs[(0.31, variant)]["selection_s"] >= recs[(0.31, variant)]["selection_measured_s"]
+    first, again = recs[(0.2, variant)], recs[(0.31, variant)]
+    assert again["timings"]["features"] == pytest.approx(first["timings"]["features"])
+    assert again["timings"]["features_read"] < again["timings"]["features"]
+    # selection cost in training units: the feature window's tokens read (8 per example at most), none for random
+    from clusterlm.data import load_data
+    from clusterlm.models import load_model
+
+    lengths = load_data(str(train), load_model("tiny-llama")[1], max_length=None, progress=False).lengths
+    assert first["selection_tokens"] == int(np.minimum(lengths, 8).sum())
+    assert recs[(0.2, "random")]["selection_tokens"] == 0 and recs[(0.2, "longest")]["selection_tokens"] == 0
+    row = result["summary"][variant]
+    assert set(row["selection_split_s"]) >= {"features", "kmeans", "picks"} and row["model_load_s"] > 0
+    md = (out / "compare.md").read_text()
+    assert "### frontier" in md and f"verdict: {variant} vs random: " in md and "reused" in md
+    assert "| tokens read by selection |" in md and "model load (once" in md
+    assert (out / "compare.png").stat().st_size > 0
+    assert (out / "runs" / f"{compare.parse_method(variant).slug}-r0.31-s0" / "plan").is_dir()
+    # one of the ratios again: every unit is reused (records are kept per ratio)
+    monkeypatch.setattr(compare, "_select", lambda *a, **k: pytest.fail("selected again"))
+    again = compare.run_compare(_args(tmp_path, train, heldout, methods=["random", "longest", variant], ratios=[0.31],
+                                      max_steps=1, n_validation=0))
+    assert [r["ratio"] for r in again["records"]] == [0.31] * 3
+
+
+def test_compare_argument_errors(small_demo, tmp_path, capsys, monkeypatch):
+    train, heldout = small_demo
+    monkeypatch.setattr("clusterlm.compare._select", lambda *a, **k: pytest.fail("selected"))
+    assert _main(tmp_path, train, heldout, "--ratio", "1.5") == 2
+    assert _main(tmp_path, train, heldout, "--n-validation", "10", "--methods", "random,less") == 2
+    assert _main(tmp_path, train, heldout, "--n-validation", "10") == 2  # explicit: always held back
     # full data trains as many steps as its data: --max-steps would make "total vs full" meaningless
-    assert cli.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "random"])) == 2
-    with pytest.raises(SystemExit):
-        parser = argparse.ArgumentParser()
-        cli.add_compare_args(parser)
-        parser.parse_args(["--methods", "random,nope"])
+    assert _main(tmp_path, train, heldout, "--methods", "full,random") == 2
+    # a ratio that leaves a cluster method less than one example per rank: before any selection, naming both
+    capsys.readouterr()
+    assert _main(tmp_path, train, heldout, "--world-size", "4", "--ratios", "0.05,0.5") == 2
+    err = capsys.readouterr().err
+    assert "cluster at ratio 0.05 of 40 examples" in err and len(err.strip().splitlines()) == 1
+    for bad in ("random,nope", "cluster[nope=1]", "cluster[within_cluster=sideways]", "random[feature_tokens=8]",
+                "cluster[ratio=0.2]", "cluster[feature_tokens]", "cluster,cluster", "cluster-paper[feature_tokens=32]"):
+        assert _main(tmp_path, train, heldout, "--methods", bad) == 2, bad
+        err = capsys.readouterr().err
+        assert "--methods" in err and len(err.strip().splitlines()) == 1, (bad, err)
+    for bad in ("0,0.2", "0.2,0.2", "1.5", "0.2,x", ""):
+        assert _main(tmp_path, train, heldout, "--ratios", bad) == 2, bad
+        assert "--ratios" in capsys.readouterr().err
 
 
 def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
     monkeypatch.setattr("clusterlm.compare.load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert cli.cmd_compare(_args(tmp_path, train, heldout, methods=["full", "cluster"])) == 2
+    assert _main(tmp_path, train, heldout, "--methods", "full,cluster") == 2
     err = capsys.readouterr().err
     assert "--max-steps 2 with method 'full'" in err and len(err.strip().splitlines()) == 1
+    # a variant's value that only this world size refuses: also before the model
+    assert _main(tmp_path, train, heldout, "--methods", "cluster[clusters_per_rank=0]") == 2
+    assert "clusters_per_rank" in capsys.readouterr().err
+
+
+def test_method_variants_parse_into_select_settings():
+    spec = compare.parse_method(" cluster[feature_tokens=32, within_cluster=kcenter; token_balance=false] ")
+    assert spec.label == "cluster[feature_tokens=32, within_cluster=kcenter; token_balance=false]"
+    assert spec.base == "cluster" and dict(spec.overrides) == {"feature_tokens": 32, "within_cluster": "kcenter",
+                                                                "token_balance": False}
+    assert spec.slug == "cluster_feature_tokens_32_within_cluster_kcenter_token_balance_false"
+    assert dict(compare.parse_method("cluster[features=all-linear,max_cluster_size=none,token_balance_slack=0.2]")
+                .overrides) == {"features": "all-linear", "max_cluster_size": None, "token_balance_slack": 0.2}
+    assert compare.parse_methods("random,cluster[feature_tokens=32,n_init=1],cluster-whole") == [
+        "random", "cluster[feature_tokens=32,n_init=1]", "cluster-whole"]
+    with pytest.raises(TypeError, match="unknown setting"):
+        compare.parse_method("cluster[feature_tokenz=32]")
+    with pytest.raises(ValueError, match="feature_tokens must be"):
+        compare.parse_method("cluster[feature_tokens=1]")
+
+
+def _record(method: str, seed: int, shift: float, n: int = 6) -> dict:
+    tokens = [3 + i for i in range(n)]
+    sums = [(2.0 + 0.1 * i + shift + 0.01 * seed) * t for i, t in enumerate(tokens)]
+    return {"method": method, "seed": seed, "selection_s": 1.0, "train_s": 10.0, "total_s": 11.0, "tokens": 100,
+            "fraction": 0.3, "eval_loss": sum(sums) / sum(tokens), "eval_examples": {"loss_sums": sums,
+                                                                                      "tokens": tokens}}
+
+
+def test_summary_intervals_and_verdicts_on_known_records():
+    recs = [_record(m, s, shift) for m, shift in (("random", 0.0), ("cluster", 0.0), ("longest", 0.05))
+            for s in (0, 1, 2)]
+    summary = compare.summarize(recs, ["random", "cluster", "longest"])
+    assert summary["cluster"]["delta_vs_random"] == 0 and summary["cluster"]["ci95_vs_random"] == [0, 0]
+    assert summary["longest"]["delta_vs_random"] == pytest.approx(0.05)
+    assert summary["longest"]["ci95_vs_random"] == pytest.approx([0.05, 0.05])
+    assert summary["cluster"]["paired_vs_random"]
+    assert summary["cluster"]["interval_vs_random"] == "seeds x eval examples"
+    lines = compare.verdicts(summary)
+    assert lines[0] == "verdict: random: the reference."
+    assert lines[1].startswith("verdict: cluster vs random: +0.0000 [+0.0000, +0.0000], not distinguishable at 3 "
+                               "seeds;")
+    assert "longest vs random: +0.0500 [+0.0500, +0.0500], higher (worse) held-out loss than random; 1.00x" in lines[2]
+    # records without per-example losses (an older compare) resample the seeds only; other seeds: unpaired
+    old = [{k: v for k, v in r.items() if k != "eval_examples"} for r in recs]
+    old = [dict(r, seed=r["seed"] + 10) if r["method"] == "cluster" else r for r in old]
+    row = compare.summarize(old, ["random", "cluster"])["cluster"]
+    assert row["interval_vs_random"] == "seeds only" and not row["paired_vs_random"]
+
+
+def test_frontier_has_a_point_per_ratio_and_method_with_full_once():
+    recs = [dict(_record("full", 0, -0.1), ratio=1.0)]
+    recs += [dict(_record(m, 0, shift), ratio=r) for r, shift in ((0.2, 0.1), (0.5, 0.0))
+             for m in ("random", "cluster")]
+    points = compare.frontier(recs, ["full", "random", "cluster"], [0.2, 0.5])
+    assert [(p["ratio"], p["method"]) for p in points] == [(1.0, "full"), (0.2, "random"), (0.2, "cluster"),
+                                                          (0.5, "random"), (0.5, "cluster")]
+    for p, r in zip(points, recs, strict=True):
+        assert p["eval_loss"] == pytest.approx(r["eval_loss"]) and p["ci95"][0] <= p["eval_loss"] <= p["ci95"][1]
+        assert p["total_s"] == 11.0
 
 
 def test_table_prints_no_spread_for_one_seed():

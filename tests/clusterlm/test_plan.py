@@ -1,4 +1,5 @@
-"""Plan: weight rule, invariants, save/load (no pickle, atomic, versioned), verify, summary, token stats."""
+"""Plan: invariants, save/load (no pickle, atomic, versioned), verify, summary, token stats. (The weight rule,
+selection_weights, is tested in test_allocation.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
@@ -83,83 +82,6 @@ def make_plan(n: int = 40, world_size: int = 2, per_rank: int = 6, n_clusters: i
         timings={"features": 1.5, "kmeans": 0.25},
         stats={"note": "ok", "ratio": np.float64(1.25)},
     )
-
-
-# ---- selection_weights ---------------------------------------------------------------------------
-
-
-def test_selection_weights_formula_by_hand():
-    # clusters: 0 has 6 examples, 1 has 2; select 2 from each: S = 4.
-    labels = np.array([0, 0, 0, 0, 0, 0, 1, 1])
-    w = selection_weights(labels, [0, 1, 6, 7], 2)
-    np.testing.assert_allclose(w, [6 / 8 * 4 / 2] * 2 + [0] * 4 + [2 / 8 * 4 / 2] * 2)
-    assert w[[0, 1, 6, 7]].mean() == pytest.approx(1.0, rel=1e-15)
-    # The same selection as a boolean mask.
-    mask = np.zeros(8, bool)
-    mask[[0, 1, 6, 7]] = True
-    np.testing.assert_array_equal(selection_weights(labels, mask, 2), w)
-
-
-def test_selection_weights_one_cluster_per_rank_is_k_nk_over_n():
-    rng = np.random.default_rng(3)
-    k, m = 4, 5
-    labels = rng.integers(0, k, size=200)
-    while np.bincount(labels, minlength=k).min() < m:
-        labels = rng.integers(0, k, size=200)
-    sel = np.concatenate([np.flatnonzero(labels == c)[:m] for c in range(k)])
-    w = selection_weights(labels, sel, k)
-    sizes = np.bincount(labels, minlength=k)
-    np.testing.assert_allclose(w[sel], (k * sizes / 200)[labels[sel]], rtol=1e-14)
-
-
-def test_selection_weights_unrepresented_cluster_gets_no_weight_and_mean_stays_one():
-    labels = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2])
-    w = selection_weights(labels, [0, 2, 3], 3)  # cluster 2 not selected
-    assert (w[5:] == 0).all()
-    # renormalised over the represented clusters (N' = 5): (2/5)*(3/1), (3/5)*(3/2)
-    np.testing.assert_allclose(w[[0, 2, 3]], [2 / 5 * 3, 3 / 5 * 1.5, 3 / 5 * 1.5])
-    assert w[[0, 2, 3]].mean() == pytest.approx(1.0, rel=1e-15)
-
-
-@pytest.mark.parametrize(
-    "labels, selected, n_clusters, match",
-    [
-        ([0, 1, 2], [0], 2, r"labels must lie in \[0, 2\)"),
-        ([0, -1, 1], [0], 2, "pass zeros and n_clusters=1"),
-        ([0, 1, 1], [0, 0], 2, "unique"),
-        ([0, 1, 1], [3], 2, r"indices must lie in \[0, 3\)"),
-        ([0, 1, 1], np.zeros(2, bool), 2, r"shape \(3,\)"),
-        ([0, 1, 1], np.zeros(3, bool), 2, "empty"),
-        ([0, 1, 1], [0], 0, "n_clusters"),
-        ([0.0, 1.0], [0], 2, "integer"),
-    ],
-)
-def test_selection_weights_errors(labels, selected, n_clusters, match):
-    with pytest.raises(ValueError, match=match):
-        selection_weights(np.asarray(labels), selected, n_clusters)
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    n=st.integers(1, 60),
-    c=st.integers(1, 6),
-    seed=st.integers(0, 2**31 - 1),
-    frac=st.floats(0.05, 1.0),
-)
-def test_selection_weights_property(n, c, seed, frac):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, c, size=n)
-    sel = rng.permutation(n)[: max(1, int(frac * n))]
-    w = selection_weights(labels, sel, c)
-    assert w[sel].mean() == pytest.approx(1.0, rel=1e-12)
-    assert (w >= 0).all() and (np.delete(w, sel) == 0).all()
-    # equal weight inside a cluster; ratio between clusters is (n_a / s_a) / (n_b / s_b)
-    sizes, chosen = np.bincount(labels, minlength=c), np.bincount(labels[sel], minlength=c)
-    for cl in np.unique(labels[sel]):
-        ws = w[sel][labels[sel] == cl]
-        np.testing.assert_allclose(ws, ws[0])
-        first = labels[sel[0]]
-        assert ws[0] * chosen[cl] / sizes[cl] == pytest.approx(w[sel[0]] * chosen[first] / sizes[first])
 
 
 # ---- invariants ------------------------------------------------------------------------------------

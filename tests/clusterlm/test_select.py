@@ -1,4 +1,5 @@
-"""Selection: exact budgets, weights, within-cluster picks, the paper preset, allocation, determinism."""
+"""Selection: exact budgets, weights, within-cluster picks, the paper preset, allocation, determinism (through
+select / select_from_features; the picking and allocation functions alone: test_picking.py, test_allocation.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_kernels import capacity_kmeans
-from clusterlm.allocation import allocate, rebalance_tokens, visit_order
-from clusterlm.picking import pick_in_cluster
 from clusterlm.select import select, select_from_features
 
 
@@ -98,24 +97,6 @@ def test_farthest_matches_brute_force():
         assert got == brute
 
 
-@pytest.mark.parametrize("method", ["farthest", "nearest", "random", "kcenter"])
-def test_pick_in_cluster_methods(method):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((50, 3))
-    dist = (x**2).sum(1)
-    members = np.arange(0, 50, 2)
-    got = pick_in_cluster(members, dist, 7, method=method, features=x, rng=np.random.default_rng(1))
-    assert len(got) == 7 and len(set(got.tolist())) == 7 and set(got.tolist()) <= set(members.tolist())
-    if method == "nearest":
-        assert set(got.tolist()) == set(members[np.argsort(dist[members])[:7]].tolist())
-    if method == "kcenter":
-        # farthest-point traversal: each new point maximises the distance to the ones already picked
-        assert got[0] == members[np.argmax(dist[members])]
-        for j in range(2, 7):
-            gaps = np.min(((x[members][:, None] - x[got[:j]][None]) ** 2).sum(2), axis=1)
-            assert gaps.max() == pytest.approx(np.min(((x[got[j]] - x[got[:j]]) ** 2).sum(1)))
-
-
 def _paper_reimplementation(x: np.ndarray, k: int, ratio: float, seed: int):
     """The paper preset's steps on this library's exact capacity K-means (``clustering="exact"``), written out."""
     n = len(x)
@@ -157,30 +138,6 @@ def test_stratified_allocation_gives_every_rank_every_cluster():
     counts = np.stack([np.bincount(plan.cluster_labels[r], minlength=4) for r in plan.rank_indices])
     assert (np.abs(counts[0] - counts[1]) <= 1).all()
     assert (counts > 0).all()
-
-
-def test_token_balance_orders_reduce_step_imbalance():
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(10, 1000, size=4000)
-    lists = [np.arange(r, 4000, 4) for r in range(4)]
-    plain = visit_order(lists, lengths, token_balance=False, seed=0)
-    balanced = visit_order(lists, lengths, token_balance=True, seed=0)
-    for a, b in zip(balanced, lists, strict=True):
-        assert sorted(a.tolist()) == sorted(b.tolist())
-
-    def worst(order, batch):
-        t = np.stack([lengths[o] for o in order])[:, : (1000 // batch) * batch].reshape(4, -1, batch).sum(2)
-        return float((t.max(0) / t.mean(0)).mean())
-
-    assert worst(balanced, 8) < 1.05 < worst(plain, 8)
-
-
-def test_allocate_cluster_per_rank_balances_tokens_over_several_clusters():
-    lengths = np.array([100] * 10 + [10] * 10 + [50] * 10 + [60] * 10)
-    groups = [np.arange(0, 10), np.arange(10, 20), np.arange(20, 30), np.arange(30, 40)]
-    ranks = allocate(groups, 2, lengths)
-    totals = sorted(int(lengths[r].sum()) for r in ranks)
-    assert totals == [1100, 1100]
 
 
 def test_deterministic_under_seed_and_seed_matters():
@@ -250,23 +207,6 @@ def test_select_end_to_end_with_a_tiny_model(tmp_path):
         loaded.verify(data)
     again = select(model, [dict(d) for d in data], world_size=2, ratio=0.25, dim=16, progress=False)
     assert again.fingerprint != plan.fingerprint
-
-
-def test_rebalance_tokens_equalises_ranks_and_only_touches_the_boundary():
-    rng = np.random.default_rng(3)
-    lengths = rng.integers(20, 600, size=3000)
-    lengths[1500:] = lengths[1500:] * 9 // 10  # cluster 1 holds somewhat shorter examples
-    picks = [np.arange(0, 1500)[rng.permutation(1500)][:330], np.arange(1500, 3000)[rng.permutation(1500)][:330]]
-    groups, pools = [p[:300] for p in picks], [p[300:] for p in picks]
-    new, info = rebalance_tokens(groups, pools, [0, 1], lengths, 2, [30, 30])
-    before = [int(lengths[g].sum()) for g in groups]
-    after = [int(lengths[g].sum()) for g in new]
-    assert abs(after[0] - after[1]) < abs(before[0] - before[1]) / 3
-    assert info["rank_tokens_after"] == after
-    for g, n, p in zip(groups, new, picks, strict=True):
-        assert len(n) == len(g) and len(set(n.tolist())) == len(n)
-        np.testing.assert_array_equal(n[:270], g[:270])  # the 270 first picks never move
-        assert set(n.tolist()) <= set(p.tolist())
 
 
 def test_default_preset_token_balance_evens_rank_totals():

@@ -23,7 +23,7 @@ import torch
 
 from clusterlm import cli
 from clusterlm import train as T
-from clusterlm.engine import forward_backward, lr_factor, make_micro_batches
+from clusterlm.engine import forward_backward, make_micro_batches
 from clusterlm.launch import torchrun_command
 
 MAX_LENGTH = 128
@@ -407,13 +407,3 @@ def test_argv_round_trip_and_torchrun_commands():
     assert "--standalone" not in cmd and cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
     with pytest.raises(ValueError, match="rdzv-endpoint"):
         torchrun_command([], 8, nnodes=2)
-
-
-def test_lr_schedule():
-    f = lr_factor
-    assert [f(s, 10, 2, "cosine", 0.0) for s in (0, 1)] == [0.5, 1.0]
-    assert f(2, 10, 2, "cosine", 0.0) == pytest.approx(1.0)
-    assert f(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
-    assert f(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)
-    assert f(6, 10, 2, "linear", 0.0) == pytest.approx(0.5)
-    assert f(9, 10, 0, "constant", 0.0) == 1.0

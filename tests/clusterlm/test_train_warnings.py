@@ -1,5 +1,5 @@
-"""Precision warnings and refusals of the trainer, the windowed loss summary, the zero-lora_B feature warning and
-the paper preset's shortfall line in Plan.summary: all without a training run."""
+"""Precision warnings and refusals of the trainer, the zero-lora_B feature warning and the paper preset's
+shortfall line in Plan.summary: all without a training run. (The windowed loss summary: test_metrics.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from clusterlm import cli
-from clusterlm import metrics as M
 from clusterlm import train as T
 from clusterlm.features import GradientFeaturizer
 from clusterlm.launch import DistInfo
@@ -114,45 +113,6 @@ def test_lora_adapters_on_a_bf16_base_are_float32():
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     assert trainable == {torch.float32} and frozen == {torch.bfloat16}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Windowed train loss in the summary
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_loss_windows():
-    assert M.loss_windows([]) is None
-    assert M.loss_windows([3.0, 2.0, 1.0]) == (3.0, 1.0, 1)  # < 10 steps: single steps
-    losses = list(np.arange(25, dtype=float))  # 25 // 5 = 5 steps
-    assert M.loss_windows(losses) == (2.0, 22.0, 5)
-    first, last, w = M.loss_windows(list(np.arange(200, dtype=float)))  # capped at 10
-    assert (first, last, w) == (4.5, 194.5, 10)
-
-
-def _record(step: int, loss: float) -> dict:
-    return {"kind": "train", "step": step, "loss": loss, "step_tokens": [10], "step_padded_tokens": [12],
-            "step_time": [0.1]}
-
-
-def test_summary_reports_window_means_and_keeps_single_step_fields():
-    from types import SimpleNamespace
-
-    rng = np.random.default_rng(0)
-    losses = (np.linspace(2.0, 1.0, 30) + rng.normal(0, 0.3, 30)).tolist()
-    records = [_record(i + 1, v) for i, v in enumerate(losses)]
-    args = SimpleNamespace(plan="full", micro_batch_size=4, grad_accum=1)
-    plan = SimpleNamespace(config={"method": "full"}, per_rank=120)
-    di = DistInfo(0, 1, 0, None, torch.device("cpu"))
-    s = M.summarize(records, {"tokens": 300, "train_time": 3.0}, args, di, plan, 30, 4.0, None)
-    assert s["first_train_loss"] == losses[0] and s["final_train_loss"] == losses[-1]
-    assert s["train_loss_window"] == 6
-    assert s["train_loss_first_window"] == pytest.approx(np.mean(losses[:6]))
-    assert s["train_loss_last_window"] == pytest.approx(np.mean(losses[-6:]))
-    text = M.summary_text(s, Path("out"))
-    line = next(x for x in text.splitlines() if x.startswith("train loss"))
-    assert line == (f"train loss (weighted, mean of first/last 6 steps): {np.mean(losses[:6]):.4f} -> "
-                    f"{np.mean(losses[-6:]):.4f}")
 
 
 # ---------------------------------------------------------------------------------------------------

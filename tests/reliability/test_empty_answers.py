@@ -122,6 +122,8 @@ def test_select_and_train_use_the_examples_with_an_answer(files, tmp_path: Path,
     assert rc == 0, capsys.readouterr().err
     plan = Plan.load(plan_dir)
     assert plan.n_examples == N - len(EMPTY)
+    assert plan.config["data"]["n_empty"] == len(EMPTY)  # the plan records the skipped lines
+    assert plan.config["data"]["empty_indices"] == list(EMPTY)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = demo_data(verbose=False).load_tokenizer()

@@ -46,6 +46,15 @@ Resuming (``train(resume_from_checkpoint=...)``) works through the Trainer's own
 epoch's order depends only on the seed and the epoch. A plan selected at train begin is reused from
 ``plan_dir`` when resuming, so a resumed run trains on the same plan.
 
+FSDP. Under Accelerate's FSDP configuration (``fsdp_version: 2``, GPUs) the Trainer shards the model when
+training starts, after :meth:`PlanTrainerMixin.prepare_plan`: the plan is selected (and the model id checked)
+on the full, unsharded model, and FSDP2 averages the gradients over the ranks as DDP does, so the loss contract
+holds unchanged. A model that is already sharded when training starts (``from_pretrained(distributed_config=
+DistributedConfig(fsdp_size=K))``, ``fully_shard`` by hand, a second ``train()``) is gathered into an unsharded
+copy on every rank for the selection and the check (:func:`clusterlm.fsdp.unsharded_copy`). Ranks that hold
+no weights (Accelerate's ``cpu_ram_efficient_loading`` loads them on rank 0 only) skip the model-id check.
+Accelerate does not shard on CPUs: a CPU run (``MULTI_CPU``, gloo) ignores its FSDP settings and trains as DDP.
+
 The plan mechanisms (obtaining, checking, per-rank loader, weights through the column filter) live in
 :class:`PlanTrainerMixin`, which :class:`clusterlm.integrations.trl.ClusterSFTTrainer` shares.
 """
@@ -65,6 +74,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from clusterlm.data import collate
+from clusterlm.fsdp import is_sharded, unsharded_copy
 from clusterlm.loss import per_example_loss, weighted_loss
 from clusterlm.models import check_model_id, compute_model_id
 from clusterlm.plan import Plan
@@ -263,7 +273,13 @@ class PlanTrainerMixin:
                 f"(torchrun --nproc-per-node {plan.world_size}) or make a plan with world_size={self.args.world_size}."
             )
 
-    def _select_plan(self) -> Plan:
+    def full_model(self) -> torch.nn.Module:
+        """The trainer's model unwrapped; a sharded (FSDP2) one gathered into an unsharded copy (every rank calls
+        it then: the gathering is collective)."""
+        model = self.accelerator.unwrap_model(self.model)
+        return unsharded_copy(model) if is_sharded(model) else model
+
+    def _select_plan(self, model: torch.nn.Module) -> Plan:
         kwargs = dict(self.select_kwargs or {})
         given = kwargs.pop("world_size", self.args.world_size)
         if given != self.args.world_size:
@@ -272,7 +288,6 @@ class PlanTrainerMixin:
                 f"{self.args.world_size}; leave it out (the trainer sets it)."
             )
         kwargs.setdefault("progress", not self.args.disable_tqdm)
-        model = self.accelerator.unwrap_model(self.model)
         kwargs.setdefault("model_id", compute_model_id(model))
         was_training = model.training
         try:
@@ -280,7 +295,7 @@ class PlanTrainerMixin:
         finally:
             model.train(was_training)
 
-    def _obtain_plan(self, resuming: bool) -> Plan:
+    def _obtain_plan(self, resuming: bool, model: torch.nn.Module) -> Plan:
         saved = (self.plan_dir / "plan.json").is_file()
         if self.select_kwargs is None:
             if not saved:
@@ -293,7 +308,7 @@ class PlanTrainerMixin:
         # Rank 0 selects and saves; the others wait at the barrier, then read the saved plan.
         with self.args.main_process_first(local=False, desc="clusterlm plan selection"):
             if self.args.process_index == 0 and not reuse:
-                plan = self._select_plan()
+                plan = self._select_plan(model)
                 plan.save(self.plan_dir)
                 logger.info(f"clusterlm plan saved to {self.plan_dir}:\n{plan.summary()}")
             else:
@@ -318,11 +333,13 @@ class PlanTrainerMixin:
         if self.train_dataset is None:
             raise ValueError(f"{self.plan_trainer_name}: training needs train_dataset (the data set the plan was made "
                              "for).")
+        model = self.full_model()  # unsharded: the features and the model id are the whole model's
         if self.plan is None:
-            self.plan = self._obtain_plan(resuming)
+            self.plan = self._obtain_plan(resuming, model)
         self._check_world_size(self.plan)
         self.plan.verify(self.plan_examples())
-        model = self.accelerator.unwrap_model(self.model)
+        if any(p.is_meta for p in model.parameters()):  # weights on rank 0 only (cpu_ram_efficient_loading)
+            return self.plan
         if not check_model_id(self.plan.model_id, model, who=self.plan_trainer_name,
                               allow_other_model=self.allow_other_model) and self.plan.model_id:
             logger.warning(f"{self.plan_trainer_name}: the plan's model_id {self.plan.model_id!r} carries no weights "
