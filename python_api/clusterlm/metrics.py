@@ -101,9 +101,9 @@ def summarize(records: list[dict[str, Any]], counters: dict[str, Any], args: Any
     train_recs = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     windows = loss_windows([r["loss"] for r in train_recs])
-    tokens = np.array([r["step_tokens"] for r in train_recs], dtype=np.float64).reshape(len(train_recs), -1)
-    padded = np.array([r["step_padded_tokens"] for r in train_recs], dtype=np.float64).reshape(len(train_recs), -1)
-    times = np.array([r["step_time"] for r in train_recs], dtype=np.float64).reshape(len(train_recs), -1)
+    tokens, padded, times = (  # (steps, ranks); a run without a train step gives (0, 0), not numpy's reshape error
+        np.array([r[key] for r in train_recs], dtype=np.float64).reshape(len(train_recs), -1 if train_recs else 0)
+        for key in ("step_tokens", "step_padded_tokens", "step_time"))
     return {
         "steps": len(train_recs),
         "total_steps": total_steps,
