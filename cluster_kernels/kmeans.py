@@ -73,6 +73,7 @@ from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable f
     column_range,
     working_frame,
 )
+from cluster_kernels._selfcheck import kmeans_backend
 
 EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
 EPS_WARM = 1e-3  # warm-start eps (prices kept from the previous Lloyd iteration)
@@ -734,12 +735,13 @@ def capacity_kmeans(
             raise ValueError(f"{op}: init must have shape (k, d) = ({k}, {d}), got {tuple(init_t.shape)}.")
     spherical = metric == "cosine"
     choice = _resolve(op, backend, t.device, isinstance(x, np.ndarray))
+    choice = kmeans_backend(op, t.device, choice, capacity_kmeans, _backend.has_cpu_native())  # first-use check
     scale, init_t = _working_frame(op, t, init_t, spherical, "x" if init_t is None else "x (with init)")
     ts = scale.down(t)
     if choice != "torch":
         return _native_kmeans(
-            choice, x, ts, k, lo, hi, spherical=spherical, n_init=int(n_init), max_iter=int(max_iter), tol=float(tol),
-            seed=int(seed), init=init_t, scale=scale,
+            choice, x, ts.cpu() if choice == "cpu" else ts, k, lo, hi, spherical=spherical, n_init=int(n_init),
+            max_iter=int(max_iter), tol=float(tol), seed=int(seed), init=init_t, scale=scale,
         )
     xp, mean = _prepare(ts, spherical)
     if init_t is not None:
@@ -817,11 +819,12 @@ def assign_with_capacity(
     check_metric(metric, op)
     lo, hi = bounds(min_size, max_size, k, n, op)
     choice = _resolve(op, backend, t.device, isinstance(x, np.ndarray))
+    choice = kmeans_backend(op, t.device, choice, assign_with_capacity, _backend.has_cpu_native())  # first-use check
     spherical = metric == "cosine"
     scale, c = _working_frame(op, t, c, spherical, "x (with the centroids)")
     ts = scale.down(t)
     if choice != "torch":
-        return _native_assign(choice, x, ts, c, k, lo, hi, spherical, scale)
+        return _native_assign(choice, x, ts.cpu() if choice == "cpu" else ts, c, k, lo, hi, spherical, scale)
     if spherical:
         xp, _ = _prepare(ts, True)
         cp = c / c.norm(dim=1, keepdim=True).clamp_min(1e-30)

@@ -28,6 +28,9 @@ Implementations:
   softmax statistics and read-out in fp32.
 - Vectorised torch path: token chunks x vocabulary chunks with at most ``max_chunk_elems`` logits alive.
 
+The first Triton call on a CUDA device is self-checked against the torch path on its first examples
+(``cluster_kernels._selfcheck``); a failure warns once and the torch path runs from then on.
+
 All-ignored examples: ``mode="paper"`` raises a ``ValueError`` naming the example (its mean is
 undefined); ``mode="projected"`` is a sum and gives that example a zero feature.
 """

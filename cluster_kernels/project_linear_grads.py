@@ -26,6 +26,9 @@ Implementations:
   fixed order (no float atomics, so results are deterministic).
 - Vectorised torch path (CPU, and CUDA without Triton): two GEMMs ``X P_in`` and ``G P_out`` in
   token blocks, then the same chunked segment reduction as one batched matmul.
+
+The first Triton call on a CUDA device is self-checked against the torch path on its first examples
+(``cluster_kernels._selfcheck``); a failure warns once and the torch path runs from then on.
 """
 
 from __future__ import annotations
@@ -381,7 +384,7 @@ def project_kernel_args(
     names = ("item_example_ptr", "item_slot_ptr", "item_start_ptr", "item_stop_ptr")
     return {
         "x_ptr": x, "g_ptr": g, "w_ptr": token_weights if token_weights is not None else x,  # dummy when unused
-        "p_in_ptr": p_in32, "p_out_ptr": p_out32, "partial_ptr": partial, **dict(zip(names, items)),
+        "p_in_ptr": p_in32, "p_out_ptr": p_out32, "partial_ptr": partial, **dict(zip(names, items, strict=True)),
         "d_in": x.shape[1], "d_out": g.shape[1], "k_i": p_in32.shape[1], "k_o": p_out32.shape[1],
         "stride_xt": x.stride(0), "stride_xd": x.stride(1), "stride_gt": g.stride(0), "stride_gd": g.stride(1),
         "stride_pi_d": p_in32.stride(0), "stride_pi_k": p_in32.stride(1),

@@ -22,6 +22,9 @@ from cluster_kernels.project_linear_grads import project_linear_grads
 
 lmh = importlib.import_module("cluster_kernels.lm_head_features")
 plg = importlib.import_module("cluster_kernels.project_linear_grads")
+# On a GPU machine (benchmarks/gpu/run_all.sh) the same tests run the real kernels on CUDA tensors.
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+NAME = str(DEV)
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +43,8 @@ def plg_inputs(dtype=torch.float32, lengths=(5, 9, 600, 3), seed=0):
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
     x = torch.randn(n, 12, generator=gen).to(dtype)
     g = torch.randn(n, 10, generator=gen).to(dtype)
-    return x, g, cu, torch.randn(12, 4, generator=gen) / 2, torch.randn(10, 3, generator=gen) / 2
+    p_in, p_out = torch.randn(12, 4, generator=gen) / 2, torch.randn(10, 3, generator=gen) / 2
+    return tuple(t.to(DEV) for t in (x, g, cu, p_in, p_out))
 
 
 def lmh_inputs(lengths=(4, 7, 5), d=16, vocab=50, seed=0):
@@ -51,7 +55,8 @@ def lmh_inputs(lengths=(4, 7, 5), d=16, vocab=50, seed=0):
     weight = torch.randn(vocab, d, generator=gen) / d**0.5
     labels = torch.randint(0, vocab, (n,), generator=gen)
     labels[1] = -100
-    return h, weight, labels, cu, torch.randn(d, 4, generator=gen), torch.randn(vocab, 5, generator=gen)
+    p_in, p_out = torch.randn(d, 4, generator=gen), torch.randn(vocab, 5, generator=gen)
+    return tuple(t.to(DEV) for t in (h, weight, labels, cu, p_in, p_out))
 
 
 def self_check_warnings(record) -> list[str]:
@@ -72,8 +77,8 @@ def test_a_kernel_that_raises_warns_once_and_falls_back_for_the_rest_of_the_proc
         got = lm_head_features(h, weight, labels, cu, **kw, backend="triton")
     msgs = self_check_warnings(record)
     assert len(msgs) == 1
-    assert "lm_head_features on cpu (float32 inputs)" in msgs[0]
-    assert "illegal memory access" in msgs[0] and "uses the torch backend on cpu" in msgs[0]
+    assert f"lm_head_features on {NAME} (float32 inputs)" in msgs[0]
+    assert "illegal memory access" in msgs[0] and f"uses the torch backend on {NAME}" in msgs[0]
     torch.testing.assert_close(got, lm_head_features(h, weight, labels, cu, **kw, backend="torch"))
     assert cluster_kernels.backends_used()["lm_head_features"] == "torch"
     with warnings.catch_warnings():
@@ -81,7 +86,8 @@ def test_a_kernel_that_raises_warns_once_and_falls_back_for_the_rest_of_the_proc
         again = lm_head_features(h, weight, labels, cu, **kw, backend="triton")
     assert len(calls) == 1  # the broken kernel is never launched again
     torch.testing.assert_close(again, got)
-    assert _selfcheck.self_check_status()["lm_head_features@cpu/float32"].startswith("failed: the triton kernel raised")
+    status = _selfcheck.self_check_status()[f"lm_head_features@{NAME}/float32"]
+    assert status.startswith("failed: the triton kernel raised")
 
 
 def test_a_kernel_with_wrong_values_is_caught_and_replaced_by_the_torch_path(monkeypatch):
@@ -94,9 +100,9 @@ def test_a_kernel_with_wrong_values_is_caught_and_replaced_by_the_torch_path(mon
 
     monkeypatch.setattr(plg, "project_linear_grads_triton", off_by_a_little)
     x, g, cu, p_in, p_out = plg_inputs()
-    out = torch.ones(4, 3, 4)  # accumulated into: the check must not disturb what is already there
-    with pytest.warns(RuntimeWarning, match=r"project_linear_grads on cpu \(float32 inputs\).*differs from the torch "
-                      r"path by 0\.0\d+ \(relative; tolerance 0\.0001\)"):
+    out = torch.ones(4, 3, 4, device=DEV)  # accumulated into: the check must not disturb what is already there
+    expected = rf"project_linear_grads on {NAME} \(float32 inputs\).*differs from the torch path by 0\.0\d+ "
+    with pytest.warns(RuntimeWarning, match=expected + r"\(relative; tolerance 0\.0001\)"):
         got = project_linear_grads(x, g, cu, p_in, p_out, out=out, backend="triton")
     assert got is out
     ref = project_linear_grads(x, g, cu, p_in, p_out, backend="torch")
@@ -121,7 +127,7 @@ def test_a_passing_check_keeps_the_kernel_and_checks_only_once(monkeypatch):
     assert len(calls) == 1
     assert torch.equal(a, b)
     assert cluster_kernels.backends_used()["project_linear_grads"] == "triton"
-    assert _selfcheck.self_check_status() == {"project_linear_grads@cpu/float32": "ok"}
+    assert _selfcheck.self_check_status() == {f"project_linear_grads@{NAME}/float32": "ok"}
 
 
 def test_each_dtype_is_checked_on_its_own(monkeypatch):
@@ -138,8 +144,8 @@ def test_each_dtype_is_checked_on_its_own(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"float16 inputs"):
         project_linear_grads(x.half(), g.half(), cu, p_in, p_out, backend="triton")
     status = _selfcheck.self_check_status()
-    assert status["project_linear_grads@cpu/float32"] == "ok"
-    assert status["project_linear_grads@cpu/float16"].startswith("failed")
+    assert status[f"project_linear_grads@{NAME}/float32"] == "ok"
+    assert status[f"project_linear_grads@{NAME}/float16"].startswith("failed")
     project_linear_grads(x, g, cu, p_in, p_out, backend="triton")
     assert cluster_kernels.backends_used()["project_linear_grads"] == "triton"
 
@@ -161,7 +167,7 @@ def test_paper_mode_is_checked_too(monkeypatch):
 
     monkeypatch.setattr(lmh, "_vocab_pass_triton", wrong_lse)
     h, weight, labels, cu, _, _ = lmh_inputs()
-    with pytest.warns(RuntimeWarning, match="lm_head_features on cpu"):
+    with pytest.warns(RuntimeWarning, match=f"lm_head_features on {NAME}"):
         got = lm_head_features(h, weight, labels, cu, mode="paper", backend="triton")
     torch.testing.assert_close(got, lm_head_features(h, weight, labels, cu, mode="paper", backend="torch"))
 
@@ -178,6 +184,7 @@ def test_self_check_off_runs_the_kernel_unchecked(monkeypatch):
     assert cluster_kernels.backends_used()["project_linear_grads"] == "triton"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU path")
 def test_cpu_calls_are_not_checked_by_default(monkeypatch):
     monkeypatch.setattr(_selfcheck, "CHECKED_DEVICE_TYPES", ("cuda",))
     x, g, cu, p_in, p_out = plg_inputs()
@@ -297,3 +304,27 @@ def test_explicit_cuda_kmeans_without_a_gpu_says_why_and_how(monkeypatch):
     monkeypatch.setattr(_backend, "native", lambda: None)
     with pytest.raises(RuntimeError, match="extension cluster_kernels._C is not built"):
         _backend.require_cuda_native("capacity_kmeans")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu/run_all.sh runs it)")
+def test_the_real_kernels_pass_their_first_use_checks_on_the_gpu():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for dtype in (torch.float32, torch.bfloat16):
+            x, g, cu, p_in, p_out = plg_inputs()
+            project_linear_grads(x.to(dtype), g.to(dtype), cu, p_in, p_out)
+            h, weight, labels, cu2, pi, po = lmh_inputs(d=64, vocab=700)
+            lm_head_features(h.to(dtype), weight.to(dtype), labels, cu2, p_in=pi, p_out=po, mode="projected")
+            lm_head_features(h.to(dtype), weight.to(dtype), labels, cu2, mode="paper")
+        status = _selfcheck.self_check_status()
+        assert {k for k, v in status.items() if v == "ok"} == {
+            f"{op}@{NAME}/{dt}" for op in ("project_linear_grads", "lm_head_features") for dt in ("float32", "bfloat16")
+        }, status
+        assert cluster_kernels.backends_used() == {"project_linear_grads": "triton", "lm_head_features": "triton"}
+        if _backend.has_cuda_native():
+            x, _ = _selfcheck._kmeans_inputs(DEV)
+            capacity_kmeans(x, 4, max_size=80)
+            cluster_kernels.assign_with_capacity(x, x[:4], max_size=80)
+            status = _selfcheck.self_check_status()
+            assert status[f"capacity_kmeans@{NAME}/-"] == "ok" and status[f"assign_with_capacity@{NAME}/-"] == "ok"
+            assert cluster_kernels.backends_used()["capacity_kmeans"] == "cuda"
