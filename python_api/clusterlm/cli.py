@@ -1,17 +1,9 @@
-"""Command line: ``clusterlm <command>`` (also ``python -m clusterlm``).
+"""Command line: ``clusterlm <command>`` (also ``python -m clusterlm``): select, train, compare, report, export, demo.
 
-Commands:
-    select  features -> capacity-constrained K-means -> balanced selection -> DIR/plan.{json,npz} and
-            DIR/report.png, with a summary table.
-    train   the reference DDP trainer on a plan (or a baseline: full, random:<ratio>); --nproc N spawns
-            the ranks through torch.distributed.run.
-    compare full data, random, cluster (default and paper presets), S2L, IFD and LESS through the same
-            trainer: selection seconds, training seconds, held-out loss (compare.json/.md/.png).
-    report  redraw DIR/report.png and print the summary of a saved plan.
-    export  write a plan as one data set in interleaved global order with a weight column (save_to_disk +
-            JSONL), for trainers that shard a data set without shuffling (clusterlm.export).
-    demo    the whole method on the built-in data set (Python standard-library functions, a small
-            Llama model): select for 2 ranks at 31 %, then a short 2-process training run on CPU.
+This module only parses: each command's options become the settings of a library call (``select`` ->
+:func:`clusterlm.pipeline.run_select`, ``train`` -> :func:`clusterlm.train.run`, ``compare`` ->
+:func:`clusterlm.compare.run_compare`, ``demo`` -> :func:`clusterlm.run_demo.run_demo`, ...), and :func:`main`
+maps errors to one line and an exit status (docs/architecture.md: the route of one ``clusterlm select`` call).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ from clusterlm.features import DEFAULT_BATCH_TOKENS, LAYER_PRESETS
 from clusterlm.launch import argv_of, report_failure, reported_by_launcher, under_torchrun
 from clusterlm.models import DTYPES
 from clusterlm.pipeline import SelectJob, SpawnFailed, run_select
-from clusterlm.plan import Plan
-from clusterlm.report import draw_report
+from clusterlm.report import show_report
 from clusterlm.run_demo import DEMO_OUT, run_demo
 
 
@@ -136,8 +127,7 @@ def select_job(args: argparse.Namespace) -> SelectJob:
     """The :class:`clusterlm.pipeline.SelectJob` of ``clusterlm select``'s options."""
     return SelectJob(model=args.model, data=args.data, out=args.out, config=select_config(args),
                      max_length=args.max_length, chat_template=args.chat_template, feature_store=args.feature_store,
-                     progress=not args.no_progress, device=args.device, dtype=args.dtype,
-                     nproc=getattr(args, "nproc", 1),
+                     progress=not args.no_progress, device=args.device, dtype=args.dtype, nproc=args.nproc,
                      argv=tuple(getattr(args, "argv", None) or ()), debug=getattr(args, "debug", False))
 
 
@@ -147,23 +137,15 @@ def cmd_select(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.dir)
-    path = draw_report(args.dir, plan)
-    print(plan.summary())
-    print(f"\nreport: {path}")
+    show_report(args.dir)
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------
 # clusterlm train (the options of python -m clusterlm.train and torchrun -m clusterlm.train too)
-# ---------------------------------------------------------------------------------------------------
 
 
 def _int_at_least_arg(value: str, low: int) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = low - 1
+    n = int(value) if value.strip().lstrip("-+").isdigit() else low - 1
     if n < low:
         raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}")
     return n
@@ -376,10 +358,7 @@ def _seeds_arg(value: str) -> list[int]:
 
 def _ratios_arg(value: str) -> list[float]:
     """``0.1,0.2,0.31,0.5``: distinct fractions in (0, 1]."""
-    try:
-        ratios = [float(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        ratios = []
+    ratios = [float(v) if v.strip().replace(".", "", 1).isdigit() else math.nan for v in value.split(",") if v.strip()]
     if not ratios or any(not 0 < r <= 1 for r in ratios) or len(set(ratios)) < len(ratios):
         raise argparse.ArgumentTypeError(
             f"expected a comma list of distinct fractions in (0, 1], e.g. 0.1,0.2,0.31,0.5, got {value!r}")

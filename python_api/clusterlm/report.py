@@ -19,7 +19,7 @@ import numpy as np
 from clusterlm._io import atomic_write
 from clusterlm.plan import Plan
 
-__all__ = ["MAX_MAP_POINTS", "draw_report", "pca_2d", "save_report_data"]
+__all__ = ["MAX_MAP_POINTS", "draw_report", "pca_2d", "save_report_data", "show_report"]
 
 MAX_MAP_POINTS = 20_000
 REPORT_DATA = "report_data.npz"
@@ -144,3 +144,12 @@ def draw_report(directory: str | os.PathLike, plan: Plan | None = None) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def show_report(directory: str | os.PathLike) -> Path:
+    """``clusterlm report DIR``: redraw ``DIR/report.png`` of the saved plan and print its summary; the path."""
+    plan = Plan.load(directory)
+    path = draw_report(directory, plan)
+    print(plan.summary())
+    print(f"\nreport: {path}")
+    return path
