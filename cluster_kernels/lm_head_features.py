@@ -271,8 +271,8 @@ def lm_head_features_ref(
 # threads, so their tiles stay small; the (BLOCK_T, BLOCK_K) read-out accumulator and (BLOCK_V, BLOCK_K) P_out tile
 # of BLOCK_K = 64 / 128 take the smallest ones.
 LMH_GPU_CONFIGS: tuple[tuple[tuple[int, int, int, int, int], str, int], ...] = (
-    ((128, 64, 64, 8, 3), "tf32", 128),
-    ((64, 64, 64, 4, 3), "tf32", 64),
+    ((128, 64, 64, 8, 3), "tf32", 64),
+    ((64, 64, 64, 8, 3), "tf32", 128),
     ((64, 128, 64, 8, 2), "tf32", 16),
     ((128, 128, 64, 8, 2), "tf32", 0),
     ((64, 64, 32, 8, 2), "ieee", 16),

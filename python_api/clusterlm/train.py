@@ -1,4 +1,5 @@
-"""Reference DDP trainer that consumes a plan: every rank trains on its own plan list, with the plan's weights.
+"""Reference trainer (DDP, or FSDP2 with ``--fsdp``) that consumes a plan: every rank trains on its own plan list,
+with the plan's weights.
 
 Launch::
 
@@ -42,6 +43,15 @@ gradient clipping, the optimizer step and the learning-rate schedule (warm-up, t
 constant decay). The step, the optimizer, the schedule, the evaluation and the checkpoint files are
 :mod:`clusterlm.engine`'s; the records :mod:`clusterlm.metrics`'.
 
+``--fsdp`` shards weights, gradients and optimizer state over the ranks instead of replicating them
+(:mod:`clusterlm.fsdp`: FSDP2, one unit per decoder block plus the root; with bf16 a mixed-precision policy
+of bfloat16 weights and compute and float32 gradient reduction replaces autocast). The step is the same
+engine step: each micro-batch's gradients are reduce-scattered (averaged over the ranks, as DDP's
+all-reduce), so the sharded gradient is the same ``sum_k (n_k / N) g_k``. Checkpoints are then sharded
+directories (``ckpt/step_0000040/``), written by every rank; the final model is gathered to rank 0 and saved
+as a normal Hugging Face directory. Refused before any model loads: --fsdp on one process, a model whose
+decoder blocks cannot be found, --resume of a DDP checkpoint with --fsdp or the reverse.
+
 Files in ``--out``::
 
     args.json        the arguments, world size, plan, versions
@@ -54,7 +64,8 @@ Files in ``--out``::
     summary.json     wall time, tokens/s, first/last train loss (single steps, and means over the first/last
                      ``train_loss_window`` steps), held-out loss before/after, ...
     training.png     loss curve (train and held-out) and throughput
-    ckpt/            step_0000040.pt ... (the last --keep-checkpoints) and ``latest`` (name of the newest)
+    ckpt/            step_0000040.pt ... (the last --keep-checkpoints) and ``latest`` (name of the newest);
+                     with --fsdp step_0000040/ directories (shards of every rank and trainer_state.pt)
     model/           the final weights (save_pretrained; the adapter only with LoRA) and tokenizer
     plan/            the plan, when --plan names a baseline
 
@@ -139,7 +150,14 @@ from clusterlm.engine import (
     train_step,
     trainable_state,
 )
-from clusterlm.fsdp import check_blocks, checkpoint_kind, remove_partial_checkpoints, save_full_model, shard_model
+from clusterlm.fsdp import (
+    CPU_ALLOCATOR_ENV,
+    check_blocks,
+    checkpoint_kind,
+    remove_partial_checkpoints,
+    save_full_model,
+    shard_model,
+)
 from clusterlm.launch import (
     TRAIN_MODULE,
     DistInfo,
@@ -289,8 +307,9 @@ def check_inputs(args: Any, *, plan_dir: bool) -> None:
         plan_dir: ``--plan`` must be a plan directory (not a baseline spec).
 
     Raises:
-        FileNotFoundError: no ``--data`` / ``--eval-data`` / ``--resume`` file, no plan in ``--plan``.
-        ValueError: ``--out`` is a file, lies under a file, or is not writable (:func:`check_out_location`).
+        FileNotFoundError: no ``--data`` / ``--eval-data`` / ``--resume`` checkpoint, no plan in ``--plan``.
+        ValueError: ``--out`` is a file, lies under a file, or is not writable (:func:`check_out_location`); the
+            checkpoint to resume is a DDP one with ``--fsdp`` or a sharded one without (:func:`check_checkpoint_kind`).
     """
     for flag, value in (("--data", getattr(args, "data", None)), ("--eval-data", getattr(args, "eval_data", None))):
         if isinstance(value, (str, os.PathLike)) and value and not Path(value).exists():
@@ -964,6 +983,9 @@ def run(args: Any, rank_argv: Sequence[str], *, build_plan: PlanBuilder | None =
         plan_ws = None if build_plan is not None else plan_world_size(args.plan)
         if plan_ws is not None and plan_ws != nproc * args.nnodes:  # fail before starting processes
             raise world_size_error(plan_ws, nproc * args.nnodes, f"--nproc {nproc} x --nnodes {args.nnodes}")
-        return launch(rank_argv, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        env = dict(CPU_ALLOCATOR_ENV) if uses_fsdp(args) and on_cpu else None
+        return launch(rank_argv, nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      env=env)
     train(args, build_plan=build_plan)
     return 0

@@ -51,8 +51,10 @@ training starts, after :meth:`PlanTrainerMixin.prepare_plan`: the plan is select
 on the full, unsharded model, and FSDP2 averages the gradients over the ranks as DDP does, so the loss contract
 holds unchanged. A model that is already sharded when training starts (``from_pretrained(distributed_config=
 DistributedConfig(fsdp_size=K))``, ``fully_shard`` by hand, a second ``train()``) is gathered into an unsharded
-copy on every rank for the selection and the check (:func:`clusterlm.fsdp.unsharded_copy`). Ranks that hold
-no weights (Accelerate's ``cpu_ram_efficient_loading`` loads them on rank 0 only) skip the model-id check.
+copy on the CPU of every rank, one parameter at a time, for the selection and the check
+(:func:`clusterlm.fsdp.unsharded_copy`). Either way rank 0 selects on its accelerator (the model, or the copy,
+is moved there for the selection and back). Ranks that hold no weights (Accelerate's
+``cpu_ram_efficient_loading`` loads them on rank 0 only) skip the model-id check.
 Accelerate does not shard on CPUs: a CPU run (``MULTI_CPU``, gloo) ignores its FSDP settings and trains as DDP.
 
 The plan mechanisms (obtaining, checking, per-rank loader, weights through the column filter) live in
@@ -290,10 +292,19 @@ class PlanTrainerMixin:
         kwargs.setdefault("progress", not self.args.disable_tqdm)
         kwargs.setdefault("model_id", compute_model_id(model))
         was_training = model.training
+        # Under FSDP the Trainer places the model only when it shards it, and a gathered copy is on the CPU: features
+        # are computed on this rank's accelerator all the same (the other ranks wait).
+        device = self.args.device
+        unplaced = getattr(self, "is_fsdp_enabled", False) or model is not self.accelerator.unwrap_model(self.model)
+        move = unplaced and device.type != "cpu" and next(model.parameters()).device.type == "cpu"
         try:
+            if move:
+                model.to(device)
             return select(model, self.plan_examples(), world_size=self.args.world_size, **kwargs)
         finally:
             model.train(was_training)
+            if move:
+                model.to("cpu")
 
     def _obtain_plan(self, resuming: bool, model: torch.nn.Module) -> Plan:
         saved = (self.plan_dir / "plan.json").is_file()

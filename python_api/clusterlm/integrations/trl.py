@@ -42,6 +42,11 @@ What it changes (with the mechanisms of :class:`clusterlm.integrations.hf.PlanTr
 
 Resuming (``train(resume_from_checkpoint=...)``) continues the plan order (an epoch's order depends only on
 the seed and the epoch, and the Trainer skips the batches already trained).
+
+FSDP works as for ``ClusterTrainer`` (:mod:`clusterlm.integrations.hf`): selection at train begin and the model-id
+check see the full model (before Accelerate shards it, or gathered from a model sharded already), and the sharded
+gradient of the weighted loss is ``sum_k (n_k / N) g_k`` through TRL's fused LM head too (tested on 2 gloo ranks
+with a model sharded by ``from_pretrained(distributed_config=...)``; Accelerate itself does not shard on CPUs).
 """
 
 from __future__ import annotations
