@@ -104,6 +104,7 @@ checkpoint, teardown.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -678,6 +679,7 @@ def train(args: Any, *, build_plan: PlanBuilder | None = None) -> dict[str, Any]
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
     had_group = in_process_group()  # a caller's group stays; one made here is destroyed at the end
+    run = state = None
     try:
         di = setup_distributed(args)
         run = prepare(args, di, build_plan)
@@ -688,6 +690,10 @@ def train(args: Any, *, build_plan: PlanBuilder | None = None) -> dict[str, Any]
         stamp_failure(e)  # before the group goes down and the other ranks fail on the lost peer
         raise
     finally:
+        # DDP's reducer holds the process group: release it while the group is up, so that the group's
+        # destructor does not run after destroy_process_group (gloo can deadlock there joining its workers).
+        run = state = None
+        gc.collect()
         if not had_group and in_process_group():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(saved[0])

@@ -181,6 +181,7 @@ def _fsdp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
     params = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
     torch.save({"grads": grads, "params": params, "optimizer": type(optimizer).__name__, "eval": evaluation},
                Path(out_dir) / f"fsdp{rank}.pt")
+    del model, optimizer  # release what holds the group before it goes down
     dist.destroy_process_group()
 
 

@@ -269,6 +269,7 @@ def _ddp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
     forward_backward(model, micro, n_step=len(idx))
     grads = torch.cat([p.grad.flatten() for p in model.module.parameters()])
     torch.save(grads, Path(out_dir) / f"grad{rank}.pt")
+    del model  # DDP's reducer holds the group: release it before the group goes down
     dist.destroy_process_group()
 
 
