@@ -53,7 +53,8 @@ def test_tokenizer_without_bos(demo_tokenizer):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.text(max_size=60), response=st.text(min_size=1, max_size=60))
+# Any answer with text: a blank one (only white space) is refused or skipped since issue 25 (test_empty_answers.py).
+@given(prompt=st.text(max_size=60), response=st.text(min_size=1, max_size=60).filter(str.strip))
 def test_masking_boundary_is_exact_for_any_text(demo_tokenizer, prompt, response):
     ex = load_data([{"prompt": prompt, "response": response}], demo_tokenizer, chat_template=False)[0]
     answer = ex["labels"] != IGNORE_INDEX
