@@ -81,7 +81,7 @@ from clusterlm.demo import demo_data
 from clusterlm.engine import CKPT_DIR, EVAL_EXAMPLES
 from clusterlm.metrics import SUMMARY
 from clusterlm.models import load_model, resolve_device
-from clusterlm.select import select
+from clusterlm.select import feature_settings, select
 from clusterlm.stats import Delta, bootstrap_delta, bootstrap_loss, interval_text, seeds_to_resolve
 from clusterlm.store import FeatureStore
 from clusterlm.train import launch
@@ -497,8 +497,7 @@ class _Session:
         config = _method_config(spec, self.args.world_size, self.args.ratio, seed)
         s = config.resolve(len(self.data), self.data.lengths)
         what = {"model": self.model_id, "data": self.data.fingerprint()["sha256"], "dtype": self.args.dtype,
-                "features": s.features, "dim": config.dim, "seed": s.seed, "feature_tokens": s.feature_tokens,
-                "batch_tokens": config.batch_tokens}
+                "batch_tokens": config.batch_tokens, **feature_settings(s, config)}
         return root / _key(what)
 
     def _timed_select(self, method: str, seed: int, store: Path | None = None) -> tuple[Any, float]:

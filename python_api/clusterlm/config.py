@@ -317,11 +317,6 @@ class SelectConfig:
         """
         return apply_settings(SelectConfig, self, overrides, "select")
 
-    @property
-    def preset_spec(self) -> Preset:
-        """The :class:`Preset` named by ``preset``."""
-        return _preset(self.preset)
-
     def check(self) -> None:
         """Every check that needs no data, before a model or data set is loaded.
 
@@ -330,27 +325,29 @@ class SelectConfig:
         """
         self._check_data_free()
 
-    def _check_data_free(self) -> Preset:
+    def _check_data_free(self) -> dict[str, Any]:
+        """Check what needs no data; the settings that resolve without data (the preset's defaults applied)."""
         p = _preset(self.preset)
         _check_choices(self.allocation, self.within_cluster, self.token_balance_slack)
-        _resolve_features(p, self.features)
+        features = _resolve_features(p, self.features)
         if self.world_size is None:
             raise ValueError("select: world_size is required: the number of ranks (GPUs) that will train.")
         check_int(self.world_size, "world_size")
         check_int(self.clusters_per_rank, "clusters_per_rank")
-        resolve_seed(self.preset, self.seed)
-        _check_clustering(p, self.clustering)
+        seed = resolve_seed(self.preset, self.seed)
+        clustering = _check_clustering(p, self.clustering)
         self._check_budget_forms(p)
         for name in ("max_cluster_size", "min_cluster_size"):
             cluster_size_bound(getattr(self, name), name, 1, 1, 1)  # the form; the values are checked with the data
         _check_fixed(p, {name: getattr(self, name) for name in p.fixed})
-        resolve_feature_tokens(self.preset, self.feature_tokens)
+        feature_tokens = resolve_feature_tokens(self.preset, self.feature_tokens)
         if self.batch_tokens is not None:
             check_int(self.batch_tokens, "batch_tokens")
         check_int(self.max_iter, "max_iter")
         if self.n_init is not None:
             check_int(self.n_init, "n_init")
-        return p
+        return {"preset": p, "seed": seed, "features": features, "feature_tokens": feature_tokens,
+                "clustering": clustering}
 
     def _check_budget_forms(self, p: Preset) -> None:
         """One budget, in range as far as it can be told without the data (its size is checked later)."""
@@ -388,7 +385,8 @@ class SelectConfig:
             ValueError / TypeError: the first bad setting, named, with the fix: a budget above the data, more
                 clusters than examples, cluster-size bounds that no clustering can meet.
         """
-        p = self._check_data_free()
+        resolved = self._check_data_free()
+        p = resolved["preset"]
         if n == 0:
             raise ValueError("select: the data set is empty.")
         lengths = check_lengths(lengths, n)
@@ -406,13 +404,10 @@ class SelectConfig:
         else:
             # Examples the token budget buys at the mean length: the per-cluster lower bound for K-means.
             requested = min(n, max(n_clusters, round(tokens / max(float(lengths.mean()), 1.0))))
-        common = {"preset": p, "n": n, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
+        common = {**resolved, "n": n, "world_size": world_size, "clusters_per_rank": clusters_per_rank,
                   "n_clusters": n_clusters, "requested": requested, "tokens": tokens,
-                  "seed": resolve_seed(self.preset, self.seed), "features": _resolve_features(p, self.features),
-                  "feature_tokens": resolve_feature_tokens(self.preset, self.feature_tokens),
                   "within_cluster": self.within_cluster, "allocation": self.allocation,
                   "token_balance_slack": float(self.token_balance_slack),
-                  "clustering": _check_clustering(p, self.clustering),
                   "n_init": p.n_init if self.n_init is None else int(self.n_init),
                   "token_balance": p.token_balance if self.token_balance is None else bool(self.token_balance),
                   "normalize": p.normalize(world_size)}

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans, shard_rows
-from clusterlm.features import DEFAULT_BATCH_TOKENS, DEFAULT_SHARD_SIZE
+from clusterlm.features import DEFAULT_BATCH_TOKENS, DEFAULT_SHARD_SIZE, progress_bar
 from clusterlm.launch import DistInfo, barrier, in_process_group, init_distributed, is_main
 from clusterlm.picking import l2_normalize
 from clusterlm.store import FeatureStore
@@ -142,7 +142,7 @@ def featurize_sharded(
     shards = range(first, last)
     start, stop = first * size, min(n, last * size)
     show = progress and rank == 0
-    with _progress_bar(n, f"featurize ({world_size} ranks)", show) as bar:
+    with progress_bar(n, show, f"featurize ({world_size} ranks)") as bar:
         bar.update(store.rows_done())
 
         def on_shard(_: int) -> None:
@@ -191,10 +191,6 @@ def _open_store(store_dir: str | os.PathLike | FeatureStore, shard_size: int | N
     return FeatureStore(store_dir, shard_size=shard_size)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="ex", desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
 

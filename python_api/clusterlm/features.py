@@ -68,7 +68,7 @@ from clusterlm.store import FeatureStore
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "DEFAULT_DIM", "DEFAULT_FEATURE_TOKENS", "DEFAULT_SHARD_SIZE", "LAYER_PRESETS",
-    "GradientFeaturizer",
+    "GradientFeaturizer", "progress_bar",
 ]
 
 LAYER_PRESETS = ("paper", "lm_head", "all-linear", "lora")
@@ -832,7 +832,7 @@ class GradientFeaturizer:
         windows = ((w, w * window, examples) for w, examples in enumerate(_windows(_iter_examples(data), window)))
         results: list[np.ndarray] = []
         n_seen = 0
-        with _progress_bar(total, progress) as bar:
+        with progress_bar(total, progress) as bar:
             for _, n_rows, feats in self._shard_loop(windows, store, batch_tokens, bar):
                 n_seen += n_rows
                 if store is None:
@@ -879,7 +879,7 @@ class GradientFeaturizer:
         windows = ((w, w * size, [data[i] for i in range(w * size, min(n, (w + 1) * size))]) for w in shards)
         rows = sum(max(0, min(n, (w + 1) * size) - w * size) for w in shards)
         computed: list[int] = []
-        with _progress_bar(rows, progress) as bar:
+        with progress_bar(rows, progress) as bar:
             for w, _, feats in self._shard_loop(windows, store, batch_tokens, bar):
                 if feats is not None:
                     computed.append(w)
@@ -984,10 +984,11 @@ def _token_batches(lengths: list[int], batch_tokens: int) -> Iterator[list[int]]
         yield group
 
 
-def _progress_bar(total: int | None, enabled: bool) -> Any:
+def progress_bar(total: int | None, enabled: bool, desc: str = "featurize") -> Any:
+    """The featurization progress bar (examples; a no-op bar when not ``enabled``)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="ex", desc="featurize", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, unit="ex", desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
 def _lm_head_backward(

@@ -44,7 +44,7 @@ from clusterlm.launch import DistInfo, barrier, init_distributed, spawn, strip_o
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
 from clusterlm.report import draw_report, save_report_data
-from clusterlm.select import build_featurizer, featurizer_record, select_from_features
+from clusterlm.select import build_featurizer, feature_settings, featurizer_record, select_from_features
 from clusterlm.store import FeatureStore
 
 __all__ = ["STORE_KEY", "SelectJob", "SpawnFailed", "run_select", "writable_dir"]
@@ -251,11 +251,8 @@ def _feature_store(job: SelectJob, data: Any, model_id: str, s: ResolvedSelectio
     store = _store_path(job)
     if job.feature_store:
         return store
-    c = job.config
-    key = json.loads(json.dumps({
-        "model": model_id.rpartition("@")[2], "data": data.fingerprint(), "features": s.features, "dim": c.dim,
-        "seed": s.seed, "preset": c.preset, "feature_tokens": c.feature_tokens,
-    }))
+    key = json.loads(json.dumps({"model": model_id.rpartition("@")[2], "data": data.fingerprint(),
+                                 **feature_settings(s, job.config)}))
     try:
         found = json.loads((store / STORE_KEY).read_text(encoding="utf-8"))
     except (OSError, ValueError):

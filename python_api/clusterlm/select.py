@@ -80,7 +80,9 @@ from clusterlm.paper import authors_clustering, normalize_rows, paper_picks
 from clusterlm.picking import l2_normalize, pick_in_cluster
 from clusterlm.plan import Plan
 
-__all__ = ["ClusterFn", "build_featurizer", "featurizer_record", "select", "select_from_features"]
+__all__ = [
+    "ClusterFn", "build_featurizer", "feature_settings", "featurizer_record", "select", "select_from_features",
+]
 
 # ---------------------------------------------------------------------------------------------------
 # Selection from fixed features
@@ -348,6 +350,11 @@ def build_featurizer(model: Any, s: ResolvedSelection, config: SelectConfig, *, 
                                   feature_tokens=s.feature_tokens)
     return GradientFeaturizer(model, features=s.features, dim=config.dim, seed=s.seed, dtype=dtype, normalize=True,
                               feature_tokens=s.feature_tokens)
+
+
+def feature_settings(s: ResolvedSelection, config: SelectConfig) -> dict[str, Any]:
+    """What decides a selection's features besides the model and the data (the key of a reusable feature store)."""
+    return {"features": s.features, "dim": config.dim, "seed": s.seed, "feature_tokens": s.feature_tokens}
 
 
 def featurizer_record(featurizer: Any, s: ResolvedSelection) -> dict[str, Any]:
