@@ -17,10 +17,13 @@ Stages, in the order they run (each unit is resumable: a killed run continues wi
 
 1. ``main``: every method at seed 0, then ``--seeds`` seeds for the ``--seed-methods`` (default full, random,
    longest, cluster with its 64-token window, ``cluster[feature_tokens=32]`` and cluster-whole: the feature-window
-   decision, :func:`window_decision`; cluster-tokens, cluster-paper and the slow baselines S2L, IFD, LESS keep their
-   one seed). From the per-unit times measured earlier (BENCHMARKS.md) the main stage takes about 100 minutes and the
-   LoRA stage about 12 on 2 cores; ``--methods`` without s2l and less saves about 20 minutes;
-2. ``lora``: full, random and cluster once with LoRA (``--lora-r``) instead of full fine-tuning.
+   decision, :func:`window_decision`). IFD and the within-cluster / all-linear variants keep one seed; the variants
+   reuse the stored features, so they cost their K-means, picks and training. S2L, LESS, cluster-tokens and
+   cluster-paper are not in the default ``--methods`` (S2L ~10 and LESS ~7 minutes a seed on 2 cores): add them to
+   ``--methods`` to run them. The default main stage takes about 85 minutes on 2 cores (per-unit times in
+   BENCHMARKS.md);
+2. ``lora`` (``--stage lora`` after main, or ``--stage all``): full, random and cluster once with LoRA
+   (``--lora-r``) instead of full fine-tuning, about 12 minutes.
 
 The result (``benchmarks/results/compare_real.json``) holds the tables and the issue's goals with the
 measured values; ``benchmarks/render_benchmarks.py`` turns it into BENCHMARKS.md.
@@ -50,7 +53,13 @@ MODEL = "smollm2-135m-instruct"
 # every seed, beside full, random and the length baseline.
 WINDOWS = ("cluster", "cluster[feature_tokens=32]")
 FAST = ("full", "random", "longest", *WINDOWS, "cluster-whole")
-ALL = (*FAST, "cluster-tokens", "cluster-paper", "ifd", "s2l", "less")
+# Within-cluster rules and all-linear features (issue 23, item 6): one seed each.
+VARIANTS = ("cluster[within_cluster=kcenter]", "cluster[within_cluster=nearest]", "cluster[within_cluster=random]",
+            "cluster[features=all-linear]")
+ALL = (*FAST, "ifd", *VARIANTS, "cluster-tokens", "cluster-paper", "s2l", "less")
+# make bench-real: without the slowest baselines (S2L ~10 min, LESS ~7 min a seed) and the fixed-name variants it
+# fits about 90 minutes on 2 cores; --methods with s2l,less adds them.
+DEFAULT_METHODS = (*FAST, "ifd", *VARIANTS)
 LORA = ("full", "random", "cluster")
 
 
@@ -64,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3, help="seeds of the --seed-methods")
     p.add_argument("--seed-methods", default=",".join(FAST), help="methods run at every seed (the others: seed 0)")
-    p.add_argument("--methods", default=",".join(ALL), help="methods of the main stage (seed 0)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods of the main stage (seed 0)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -77,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     # the paper's 4 epochs that alone is ~4 full fine-tuning epochs here. 1 keeps it within the time budget and
     # can only make LESS look cheaper (and is reported).
     p.add_argument("--less-epochs", type=int, default=1, help="LESS warm-up epochs = checkpoints (paper: 4)")
-    p.add_argument("--stage", choices=("all", "main", "lora"), default="all")
+    p.add_argument("--stage", choices=("all", "main", "lora"), default="main",
+                   help="main (make bench-real, ~85 min), lora (~12 min more, reported beside main) or both")
     p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -208,7 +218,8 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
     """Write ``--out`` from the units done so far (called after each stage, so a cut run still reports)."""
     from clusterlm.compare import summarize
 
-    all_methods = [m for m in ALL if any(k[0] == m for k in records)]
+    seen = list(dict.fromkeys(k[0] for k in records))  # method variants (cluster[...]) keep their spec as label
+    all_methods = [m for m in ALL if m in seen] + [m for m in seen if m not in ALL]
     summary = summarize(list(records.values()), all_methods)
     lora_summary = summarize(list(lora_records.values()), [m for m in LORA if any(k[0] == m for k in lora_records)])
     cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss", "seeds"]
