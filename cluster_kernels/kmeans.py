@@ -609,6 +609,12 @@ def _native_assign(choice: str, x: Any, t: torch.Tensor, c: torch.Tensor, k: int
 # --------------------------------------------------------------------------------------------------
 
 
+def has_cuda_kmeans() -> bool:
+    """Whether ``cluster_kernels._C`` was built with its CUDA K-means (``backend="auto"`` then runs CUDA tensors
+    there; without it a CUDA tensor takes the float64 torch reference)."""
+    return _backend.has_cuda_native()
+
+
 def _resolve(op: str, backend: str, device: torch.device, given_numpy: bool = False) -> str:
     _backend.check_backend_name(op, backend)
     if backend == "triton":

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <limits>
 #include <stdexcept>
@@ -24,6 +26,17 @@ using auction::kMaxCost;
 using auction::Objects;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// PROFILE-TMP
+struct Prof {
+  int64_t calls = 0, phases = 0, rounds = 0, pulls = 0, bidall = 0, moved = 0, scanned = 0;
+  double t_bid = 0, t_pull = 0, t_pull_gap = 0, t_pull_cand = 0, t_pull_sel = 0, t_regret = 0, t_members = 0,
+         t_select = 0, t_rebid = 0, t_total = 0;
+  std::vector<int64_t> rounds_per_phase, pulls_per_phase;
+};
+Prof g_prof;
+inline double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+struct Lap { double& acc; double t0; explicit Lap(double& a) : acc(a), t0(now()) {} ~Lap() { acc += now() - t0; } };
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 
 // Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
@@ -225,7 +238,9 @@ class FloorAuction {
     start(true);
     if (at_free_argmin()) return rounds_;
     for (;;) {
+      ++g_prof.phases; g_prof.rounds_per_phase.push_back(0); g_prof.pulls_per_phase.push_back(pulls_phase_);
       while (round()) {
+        ++g_prof.rounds_per_phase.back(); ++g_prof.rounds;
       }
       if (eps_ <= es_.eps_final) break;
       eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
@@ -260,6 +275,7 @@ class FloorAuction {
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
+    Lap lap(g_prof.t_bid); ++g_prof.bidall;
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b_.n; ++i) {
@@ -280,7 +296,9 @@ class FloorAuction {
   // cluster left below its cap with a positive price then lowers its price just enough to pull in its
   // deficit (reverse steps); a price that would go below 0 stops at 0, where being under-full is allowed.
   // Zeroing the price outright instead would throw away what earlier phases learnt.
+  int64_t pulls_phase_ = 0;
   void start(bool first) {
+    pulls_phase_ = 0;
     bid_all(!first);
     if (slack_ <= 0) return;
     for (int64_t pass = 0;; ++pass) {
@@ -302,19 +320,24 @@ class FloorAuction {
   // Reverse step of the under-full cluster j: the points with the smallest extra cost (gap) come, and
   // every other point stays within eps of its best.
   void pull(int64_t j) {
+    Lap lap(g_prof.t_pull); ++g_prof.pulls; ++pulls_phase_;
     const int64_t r = hi_[j] - counts_[j];
     const double pj = p_[j];
+    double t0 = now();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < b_.n; ++i) {
       const int64_t o = obj_[i];
       gap_[i] = o == j ? kInf : (row(i)[j] + pj) - (row(i)[o] + p_[o]);
     }
+    double t1 = now(); g_prof.t_pull_gap += t1 - t0;
     members_.resize(1);
     std::vector<int64_t>& cand = members_[0];
     cand.clear();
     for (int64_t i = 0; i < b_.n; ++i)
       if (obj_[i] != j) cand.push_back(i);
+    double t2 = now(); g_prof.t_pull_cand += t2 - t1;
     const Threshold th = select_smallest(b_, gap_.data(), members_, {r});
+    g_prof.t_pull_sel += now() - t2;
     int64_t pulled = th.count[0];
     const double drop = th.val[0] + eps_;
     if (drop >= pj) {
@@ -352,6 +375,7 @@ class FloorAuction {
     if (over.empty()) return false;
     if (++rounds_ > ap_.max_rounds) throw std::runtime_error("floor_auction: no termination (internal error)");
     const int64_t nover = static_cast<int64_t>(over.size());
+    double t0 = now();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < b_.n; ++i) {
       const int64_t j = obj_[i];
@@ -360,15 +384,19 @@ class FloorAuction {
       best_cluster(row(i), p_.data(), b_.k, j, &sc);
       regret_[i] = sc - (row(i)[j] + p_[j]);
     }
+    double t1 = now(); g_prof.t_regret += t1 - t0;
     members_.resize(nover);
     for (auto& m : members_) m.clear();
     for (int64_t i = 0; i < b_.n; ++i) {
       const int64_t s = slot[obj_[i]];
       if (s >= 0) members_[s].push_back(i);
     }
+    for (auto& m : members_) g_prof.scanned += m.size();
+    double t2 = now(); g_prof.t_members += t2 - t1;
     std::vector<int64_t> excess(nover);
     for (int64_t s = 0; s < nover; ++s) excess[s] = counts_[over[s]] - hi_[over[s]];
     const Threshold th = select_smallest(b_, regret_.data(), members_, excess);
+    g_prof.t_select += now() - t2;
     std::vector<int64_t> moved;
     for (int64_t s = 0; s < nover; ++s) {
       p_[over[s]] = p_[over[s]] + th.val[s] + eps_;
@@ -382,6 +410,7 @@ class FloorAuction {
 
   // Evicted points re-bid at the new prices, so no point sits more than eps from its best.
   void rebid(const std::vector<int64_t>& moved) {
+    Lap lap(g_prof.t_rebid); g_prof.moved += moved.size();
     const int64_t nm = static_cast<int64_t>(moved.size());
     bool bad = false;
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
@@ -435,7 +464,9 @@ class DummyAuction {
 
   int64_t run(int64_t* labels) {
     for (;;) {
+      ++g_prof.phases; g_prof.rounds_per_phase.push_back(0); g_prof.pulls_per_phase.push_back(0);
       while (round()) {
+        ++g_prof.rounds_per_phase.back(); ++g_prof.rounds;
       }
       if (eps_ <= es_.eps_final) break;
       next_phase();
@@ -514,6 +545,7 @@ class DummyAuction {
     members_.resize(over.size());
     for (auto& m : members_) m.clear();
     if (!any) return;
+    double t0 = now();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < b_.n; ++i) {
       const int64_t o = obj_[i];
@@ -522,16 +554,20 @@ class DummyAuction {
       best_of(i, o, &sc);
       regret_[i] = sc - cost(i, o);
     }
+    double t1 = now(); g_prof.t_regret += t1 - t0;
     for (int64_t i = 0; i < b_.n; ++i) {
       const int64_t s = slot[obj_[i]];
       if (s >= 0) members_[s].push_back(i);
     }
+    for (auto& m : members_) g_prof.scanned += m.size();
+    g_prof.t_members += now() - t1;
   }
 
   // How many real units and dummies leave each object, and the last one's regret. The units leave in
   // the order of the reference: reals with regret < rho, then the dummies (first on equal regret), then
   // the other reals, each group by (regret, row).
   void split_evictions(std::vector<Over>& over) {
+    Lap lap(g_prof.t_select);
     const int64_t nover = static_cast<int64_t>(over.size());
     std::vector<int64_t> below(nover, 0);
     bool need = false;
@@ -594,6 +630,7 @@ class DummyAuction {
   // Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best; arrivals
   // lower the bound of their new object to their regret. lb: the bounds before the arrivals.
   void rebid(const std::vector<int64_t>& moved, std::vector<double>& lb) {
+    Lap lap(g_prof.t_rebid); g_prof.moved += moved.size();
     const int64_t nm = static_cast<int64_t>(moved.size());
     std::vector<double> arrival(nm);
     bool bad = false;
@@ -626,6 +663,7 @@ class DummyAuction {
 
   // Next phase: shrink eps and move every unit that violates it to its cheapest object.
   void next_phase() {
+    Lap lap(g_prof.t_bid); ++g_prof.bidall;
     eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad)
@@ -675,6 +713,19 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
                        AuctionState& state, int64_t* labels, const AuctionParams& ap, Collective& comm,
                        const RowBlock& rows) {
   const Block b{D, n, k, comm, rows.offset, rows.n_total};
+  struct Dump {
+    double t0 = now();
+    ~Dump() {
+      Prof& p = g_prof;
+      p.t_total += now() - t0; ++p.calls;
+      if (!std::getenv("CK_AUCTION_PROFILE")) { p = Prof(); return; }
+      std::fprintf(stderr, "AUCPROF phases=%lld rounds=%lld pulls=%lld bidall=%lld moved=%lld scanned=%lld total=%.4f bid=%.4f pull=%.4f(gap=%.4f cand=%.4f sel=%.4f) regret=%.4f members=%.4f select=%.4f rebid=%.4f rpp=",
+        (long long)p.phases, (long long)p.rounds, (long long)p.pulls, (long long)p.bidall, (long long)p.moved, (long long)p.scanned, p.t_total, p.t_bid, p.t_pull, p.t_pull_gap, p.t_pull_cand, p.t_pull_sel, p.t_regret, p.t_members, p.t_select, p.t_rebid);
+      for (size_t i = 0; i < p.rounds_per_phase.size(); ++i) std::fprintf(stderr, "%lld/%lld,", (long long)p.rounds_per_phase[i], (long long)p.pulls_per_phase[i]);
+      std::fprintf(stderr, "\n");
+      p = Prof();
+    }
+  } dump_;
   if (ap.force_general) {
     state.used_general = true;
     return DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);

@@ -20,6 +20,7 @@ from clusterlm import train as trainer
 from clusterlm._io import LockedError, StorageError
 from clusterlm.baselines import baseline_plan, is_baseline_spec
 from clusterlm.compare import METHODS, N_VALIDATION, markdown_table, parse_methods, run_compare
+from clusterlm.compare_eval import EvalSet, parse_eval_set
 from clusterlm.config import CLUSTERINGS, SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH
 from clusterlm.export import export_files
@@ -209,8 +210,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model")
     g.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on CUDA)")
-    g.add_argument("--model-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="dtype the weights are loaded in")
+    g.add_argument("--dtype", "--model-dtype", dest="dtype", choices=DTYPES, default="auto",
+                   help="weights' dtype, loaded straight onto the device: auto (float32 for full fine-tuning, whose "
+                   "weights AdamW updates; with LoRA the frozen base in bfloat16 on a CUDA device that supports "
+                   "it), float32, bfloat16, float16; compute precision is --bf16 (--model-dtype: older name)")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per decoder "
@@ -339,6 +342,14 @@ def _methods_arg(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("compare: ")) from None
 
 
+def _eval_data_arg(value: str) -> EvalSet:
+    """``name=path`` or a bare path (named after its file stem): one evaluation set of ``compare``."""
+    try:
+        return parse_eval_set(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("compare: ")) from None
+
+
 def _seeds_arg(value: str) -> list[int]:
     """A bare integer is a count (``3`` -> seeds 0, 1, 2); a comma makes a list (``0,5,7``; one seed: ``5,``)."""
     try:
@@ -368,7 +379,10 @@ def _ratios_arg(value: str) -> list[float]:
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     """Add ``clusterlm compare``'s options to ``p``."""
     p.add_argument("--data", default=None, help="training data (.jsonl/.json/.parquet); default: the demo train split")
-    p.add_argument("--eval-data", default=None, help="held-out data; default: the demo held-out split")
+    p.add_argument("--eval-data", action="append", type=_eval_data_arg, default=None, metavar="[NAME=]PATH",
+                   help="held-out data; repeat for several sets, each NAME=PATH (a bare path is named after its file "
+                   "stem); the first is primary (eval_loss, verdicts, frontier); none may share an example with "
+                   "--data; default: the demo held-out split")
     p.add_argument("--model", default="tiny-llama",
                    help="built-in name (e.g. smollm2-135m-instruct), a .gguf file, or a local HF model directory")
     p.add_argument("--ratio", type=float, default=0.31, help="fraction of the data every method keeps")

@@ -75,6 +75,17 @@ import torch
 
 from clusterlm._io import atomic_write_text
 from clusterlm.baselines import full_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
+from clusterlm.compare_eval import (
+    content_hash,
+    eval_layout,
+    eval_losses_file,
+    eval_set_tables,
+    eval_sets_of,
+    on_set,
+    read_eval_sets,
+    set_losses,
+    without_examples,
+)
 from clusterlm.config import SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.demo import demo_data
@@ -84,7 +95,7 @@ from clusterlm.models import load_model, resolve_device
 from clusterlm.select import feature_settings, select
 from clusterlm.stats import Delta, bootstrap_delta, bootstrap_loss, interval_text, seeds_to_resolve
 from clusterlm.store import FeatureStore
-from clusterlm.train import launch
+from clusterlm.train import INITIAL_EVAL_EXAMPLES, launch
 
 __all__ = ["EVAL_LOSSES", "METHODS", "N_VALIDATION", "STATE", "MethodSpec", "delta_between", "frontier", "goals",
            "markdown_table", "parse_method", "parse_methods",
@@ -222,13 +233,18 @@ def _method_config(spec: MethodSpec, world_size: int, ratio: float, seed: int) -
         **dict(spec.overrides))
 
 
-def _settings(args: argparse.Namespace, data_path: str, eval_path: str) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, data_path: str, eval_path: str,
+              eval_key: list[list[str]] | None = None) -> dict[str, Any]:
+    """The settings a record is keyed by; several evaluation sets add their names and content hashes (one set keys
+    by its path, as before, so the records of an earlier compare are reused)."""
     keys = ("model", "ratio", "world_size", "epochs", "max_steps", "micro_batch_size", "lr", "warmup_ratio",
             "max_length", "n_validation", "eval_max_examples", "threads", "device", "dtype", "s2l_clusters",
             "s2l_epochs", "less_epochs", "less_dim", "bf16", "lora_r", "chat_template")
     out = {k: getattr(args, k) for k in keys}
     out["data"] = str(Path(data_path).resolve())
     out["eval_data"] = str(Path(eval_path).resolve())
+    if eval_key:
+        out["eval_sets"] = eval_key
     return out
 
 
@@ -318,9 +334,14 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
     """
     args = _checked(args)
     data_path, eval_path = _data_paths(args)
+    eval_meta = [{"name": s.name, "path": str(Path(s.path).resolve()), "primary": i == 0, "examples": len(raw),
+                  "sha256": content_hash(raw)} for i, (s, raw) in enumerate(read_eval_sets(
+                      args.eval_sets, data_path, n_validation=args.n_validation,
+                      eval_max_examples=args.eval_max_examples))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = _settings(args, data_path, eval_path)
+    eval_key = [[m["name"], m["sha256"]] for m in eval_meta] if len(eval_meta) > 1 else None
+    settings = _settings(args, data_path, eval_path, eval_key)
     keys = {r: _key({**settings, "ratio": r}) for r in [*args.ratios, 1.0]}  # full data: ratio 1 whatever --ratios
     state_path = out / STATE
     wanted = _units(args)
@@ -333,7 +354,7 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
           f"{len(done)} done earlier (in {state_path}), {len(todo)} to run")
     if todo:
         saved_threads = torch.get_num_threads()
-        session = _Session.load(args, data_path, eval_path, run_here)
+        session = _Session.load(args, data_path, eval_path, run_here, work=out)
         session.check_budgets()
         for ratio, method, seed in todo:
             run_dir = out / "runs" / _run_name(ratio, method, seed)
@@ -343,11 +364,8 @@ def run_compare(args: argparse.Namespace, *, run_here: Callable[[list[str]], int
             done[(ratio, method, seed)] = record
         torch.set_num_threads(saved_threads)
     records = [done[u] for u in wanted]
-    result = _result(args, settings, keys, records)
-    atomic_write_text(out / EVAL_LOSSES, json.dumps(
-        {"about": "per unit: summed token loss and answer tokens of every evaluation example (same order for all)",
-         "units": [{"ratio": r["ratio"], "method": r["method"], "seed": r["seed"], **(r.get("eval_examples") or {})}
-                   for r in records]}) + "\n")
+    result = _result(args, settings, keys, records, eval_meta)
+    atomic_write_text(out / EVAL_LOSSES, json.dumps(eval_losses_file(records, [m["name"] for m in eval_meta])) + "\n")
     atomic_write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(out / "compare.md", markdown_table(result) + "\n")
     plot_compare(result, out / "compare.png")
@@ -371,20 +389,27 @@ def _run_name(ratio: float, method: str, seed: int) -> str:
 
 
 def _result(args: argparse.Namespace, settings: dict[str, Any], keys: dict[float, str],
-            records: list[dict[str, Any]]) -> dict[str, Any]:
-    """``compare.json``: the settings, per ratio the per-method summary, the frontier, the records."""
+            records: list[dict[str, Any]], eval_meta: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``compare.json``: the settings, the evaluation sets, per ratio the per-method summary, the frontier, the
+    records (without their per-example losses: ``eval_losses.json``)."""
+    eval_meta = eval_meta or []
+    names = [m["name"] for m in eval_meta]
+    for m in eval_meta:  # examples evaluated per set (the primary's without LESS's validation tail)
+        n = [r["n_eval"] if m["primary"] else (r.get("eval_sets") or {}).get(m["name"], {}).get("n_eval")
+             for r in records[:1]]
+        m["evaluated"] = n[0] if n else None
     full = [r for r in records if r["method"] == "full"]
     by_ratio = {}
     for ratio in args.ratios:
         at = [r for r in records if r["method"] != "full" and r["ratio"] == ratio] + full
-        by_ratio[f"{ratio:g}"] = summarize(at, args.methods)
+        by_ratio[f"{ratio:g}"] = summarize(at, args.methods, names)
     summary = by_ratio[f"{args.ratios[0]:g}"]
     reused = sum(1 for r in records if r.get("features_reused"))
     return {"settings": {**settings, "ratio": args.ratios[0], "ratios": args.ratios}, "key": keys[args.ratios[0]],
             "methods": args.methods, "seeds": args.seeds, "ratios": args.ratios, "summary": summary,
             "summary_by_ratio": by_ratio, "frontier": frontier(records, args.methods, args.ratios),
-            "features_note": _features_note(records, reused), "goals": goals(summary),
-            "records": [{k: v for k, v in r.items() if k != "eval_examples"} for r in records]}
+            "features_note": _features_note(records, reused), "goals": goals(summary), "eval_sets": eval_meta,
+            "records": [without_examples(r) for r in records]}
 
 
 def _features_note(records: list[dict[str, Any]], reused: int) -> str:
@@ -418,12 +443,14 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
             _check_variant(spec, args.world_size, ratio)
     if args.n_validation is None:  # the held-out tail is LESS's only when it runs; explicit values always hold
         args = argparse.Namespace(**{**vars(args), "n_validation": N_VALIDATION if "less" in args.methods else 0})
-    return args
+    default = None if args.eval_data else str(demo_data().heldout)
+    return argparse.Namespace(**{**vars(args), "eval_sets": eval_sets_of(args.eval_data, default)})
 
 
 def _data_paths(args: argparse.Namespace) -> tuple[str, str]:
     """Training and held-out data files (the demo splits where not given)."""
-    data_path, eval_path = args.data, args.eval_data
+    sets = getattr(args, "eval_sets", None)
+    data_path, eval_path = args.data, sets[0].path if sets else args.eval_data
     if data_path is None or eval_path is None:
         demo = demo_data()
         data_path = data_path or str(demo.train)
@@ -446,10 +473,16 @@ class _Session:
     use_cuda: bool
     run_here: Callable[[list[str]], int] | None
     model_load_s: float = 0.0  # loading the selection model: once, shared by every unit
+    # What the trainer evaluates: the primary set's file (None) or every set's evaluated examples in one file, and
+    # (name, start, stop) of each set's examples in the trainer's per-example losses.
+    train_eval_path: str | None = None
+    eval_slices: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
     def load(cls, args: argparse.Namespace, data_path: str, eval_path: str,
-             run_here: Callable[[list[str]], int] | None) -> _Session:
+             run_here: Callable[[list[str]], int] | None, work: Path | None = None) -> _Session:
+        """The selection model, the training data and every evaluation set (several: tokenised into one file under
+        ``work`` that the trainer evaluates, :func:`eval_layout`)."""
         device = resolve_device(args.device)
         use_cuda = device.type == "cuda"
         if not use_cuda:
@@ -473,8 +506,11 @@ class _Session:
         n_eval = n_eval_all - n_validation
         if args.eval_max_examples:
             n_eval = min(n_eval, args.eval_max_examples)
+        path, slices = eval_layout(getattr(args, "eval_sets", ()), tokenizer, eval_set, n_eval,
+                                   Path(args.out) if work is None else work, max_length=args.max_length,
+                                   eval_max_examples=args.eval_max_examples, chat_template=rendering)
         return cls(args, data_path, eval_path, model, model_id, data, validation, n_eval, use_cuda, run_here,
-                   model_load_s)
+                   model_load_s, train_eval_path=path, eval_slices=slices)
 
     def check_budgets(self) -> None:
         """Every cluster method at every ratio against the data (examples per cluster, size bounds), before any
@@ -535,34 +571,58 @@ class _Session:
         print(f"   {plan.n_selected} of {len(self.data)} examples selected in {selection_s:.2f} s")
         print(f"== {method}, seed {seed}: training ({args.world_size} rank(s)) ==")
         # The loss before training is the same for every unit (same model, same held-out data): measured once.
-        initial = next((r["initial_eval_loss"] for r in done.values() if r.get("initial_eval_loss") is not None),
-                       None)
-        argv = _train_argv(args, run_dir / "plan", run_dir / "train", self.data_path, self.eval_path, self.n_eval,
-                           seed, initial_eval=initial is None)
+        base = next((r for r in done.values() if r.get("initial_eval_loss") is not None), None)
+        argv = _train_argv(args, run_dir / "plan", run_dir / "train", self.data_path,
+                           self.train_eval_path or self.eval_path, self.eval_slices[-1][2], seed,
+                           initial_eval=base is None)
         rc = launch(argv, args.world_size, run_here=self.run_here)
         if rc != 0:
             raise RuntimeError(f"compare: training {method} (seed {seed}) failed with status {rc}; its output is "
                                f"above. Rerun the same command to continue with the units not yet done.")
         summary = json.loads((run_dir / "train" / SUMMARY).read_text(encoding="utf-8"))
-        per_example = json.loads((run_dir / "train" / EVAL_EXAMPLES).read_text(encoding="utf-8"))
+        evals = self.evaluations(run_dir / "train", summary, base)
         # The unit is recorded by the caller; its final checkpoint (weights + optimizer: 1.6 GB for a 135M model) is
         # not needed to resume the comparison.
         shutil.rmtree(run_dir / "train" / CKPT_DIR, ignore_errors=True)
         print(f"   trained {summary['steps']} steps in {summary['train_time_s']:.1f} s; held-out loss "
-              f"{summary['final_eval_loss']:.4f}")
+              f"{evals['eval_loss']:.4f}" + "".join(f"; {n} {v['eval_loss']:.4f}"
+                                                   for n, v in (evals.get("eval_sets") or {}).items()))
         return {
             "method": method, "seed": seed, "selection_s": selection_s,
             "train_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
-            "total_s": selection_s + summary["train_time_s"], "eval_loss": summary["final_eval_loss"],
-            "initial_eval_loss": summary["initial_eval_loss"] if initial is None else initial,
-            "n_selected": int(plan.n_selected),
+            "total_s": selection_s + summary["train_time_s"], **evals, "n_selected": int(plan.n_selected),
             "n_examples": len(self.data), "n_eval": self.n_eval, "n_validation": args.n_validation,
             "fraction": plan.n_selected / len(self.data), "steps": summary["steps"],
             "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
-            "eval_examples": {"loss_sums": per_example["loss_sums"], "tokens": per_example["tokens"]},
             "features_reused": reused, "selection_measured_s": measured_s, "model_load_s": self.model_load_s,
             "selection_tokens": selection_tokens(method, plan, self.data.lengths),
         }
+
+    def evaluations(self, train_dir: Path, summary: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+        """A trained unit's held-out losses: the primary set's (``eval_loss``, ``initial_eval_loss``,
+        ``eval_examples``) and, with several sets, each other set's under ``eval_sets`` (the same three, and
+        ``n_eval``). The losses before training come from this run when it measured them (``base`` None), else from
+        ``base``, the unit that did (same model, same examples)."""
+        per_example = json.loads((train_dir / EVAL_EXAMPLES).read_text(encoding="utf-8"))
+        if self.train_eval_path is None:
+            return {"eval_loss": summary["final_eval_loss"],
+                    "initial_eval_loss": summary["initial_eval_loss"] if base is None else base["initial_eval_loss"],
+                    "eval_examples": {"loss_sums": per_example["loss_sums"], "tokens": per_example["tokens"]}}
+        if len(per_example["tokens"]) != self.eval_slices[-1][2]:
+            raise RuntimeError(f"compare: the trainer evaluated {len(per_example['tokens'])} examples of "
+                               f"{self.train_eval_path}, {self.eval_slices[-1][2]} expected.")
+        sets, primary = set_losses(per_example, self.eval_slices), self.eval_slices[0][0]
+        if base is None:
+            before = json.loads((train_dir / INITIAL_EVAL_EXAMPLES).read_text(encoding="utf-8"))
+            initial = {n: v["eval_loss"] for n, v in set_losses(before, self.eval_slices).items()}
+        else:
+            initial = {n: v.get("initial_eval_loss") for n, v in (base.get("eval_sets") or {}).items()}
+            initial[primary] = base["initial_eval_loss"]
+        for name, v in sets.items():
+            v["initial_eval_loss"] = initial.get(name)
+        first = sets.pop(primary)
+        return {"eval_loss": first["eval_loss"], "initial_eval_loss": first["initial_eval_loss"],
+                "eval_examples": first["eval_examples"], "eval_sets": sets}
 
 
 def selection_tokens(method: str, plan: Any, lengths: Any) -> int | None:
@@ -600,9 +660,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
+def summarize(records: list[dict[str, Any]], methods: list[str],
+              eval_sets: list[str] | tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Per method: mean and std over seeds of selection / training / total seconds, held-out loss, tokens trained;
-    and the held-out loss difference to random and to full data with its 95 % interval (:func:`_vs_reference`)."""
+    and the held-out loss difference to random and to full data with its 95 % interval (:func:`_vs_reference`).
+
+    ``eval_sets``: the evaluation sets' names, the primary first (the one behind ``eval_loss``): each method's row
+    gains ``eval_sets``, per set the held-out loss with its interval and the differences (:func:`_set_summary`).
+    """
     out: dict[str, dict[str, Any]] = {}
     by_method = {m: [r for r in records if r["method"] == m] for m in methods}
     for m, rs in by_method.items():
@@ -617,7 +682,31 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, di
         for ref in ("random", "full"):
             if by_method.get(ref):
                 row.update(_vs_reference(by_method[m], by_method[ref], ref))
+        if eval_sets:
+            row["eval_sets"] = {name: _set_summary(by_method, m, name, eval_sets[0]) for name in eval_sets}
     return out
+
+
+def _set_summary(by_method: dict[str, list[dict[str, Any]]], m: str, name: str, primary: str) -> dict[str, Any]:
+    """Method ``m`` on evaluation set ``name``: held-out loss (mean, std over seeds) with its 95 % interval
+    (:func:`clusterlm.stats.bootstrap_loss`), the loss before training, the examples evaluated, and the difference to
+    random and to full data on that set with its interval (:func:`_vs_reference`)."""
+    rs = on_set(by_method[m], name, primary)
+    if not rs:
+        return {"loss": None, "ci95": None}
+    loss, std = _mean_std([r["eval_loss"] for r in rs])
+    ci95 = None
+    if all(r["eval_loss"] is not None and math.isfinite(r["eval_loss"]) for r in rs):
+        sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in rs}
+        ci95 = list(bootstrap_loss(*_loss_arrays(rs, 0 not in sizes and len(sizes) == 1), n_boot=N_BOOT)[1:])
+    before = next((r["initial_eval_loss"] for rr in by_method.values() for r in on_set(rr, name, primary)
+                   if r.get("initial_eval_loss") is not None), None)
+    row = {"loss": loss, "loss_std": std, "ci95": ci95, "initial_loss": before, "n_eval": rs[0].get("n_eval")}
+    for ref in ("random", "full"):
+        ref_rs = on_set(by_method.get(ref) or [], name, primary)
+        if ref_rs:
+            row.update(_vs_reference(rs, ref_rs, ref))
+    return row
 
 
 def _selection_cost(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -757,6 +846,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         if len(by_ratio) > 1:
             lines += ["", f"### ratio {ratio}"]
         lines += ["", *_summary_table(summary), "", *verdicts(summary)]
+        if len(result.get("eval_sets") or []) > 1:
+            lines += eval_set_tables(summary, result["eval_sets"])
     if len(by_ratio) > 1:
         lines += ["", f"### selection cost at ratio {next(iter(by_ratio))}"]
     lines += ["", *_cost_table(next(iter(by_ratio.values())))]

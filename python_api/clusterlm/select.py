@@ -57,12 +57,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 
-from cluster_kernels import capacity_kmeans
+from cluster_kernels import capacity_kmeans, has_cuda_kmeans
 from clusterlm.allocation import (
     allocate,
     balance_stats,
@@ -81,7 +82,8 @@ from clusterlm.picking import l2_normalize, pick_in_cluster
 from clusterlm.plan import Plan
 
 __all__ = [
-    "ClusterFn", "build_featurizer", "feature_settings", "featurizer_record", "select", "select_from_features",
+    "ClusterFn", "build_featurizer", "feature_settings", "featurizer_record", "kmeans_device", "select",
+    "select_from_features",
 ]
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,12 +107,13 @@ def select_from_features(
     extra_config: Mapping[str, Any] | None = None,
     cluster_fn: ClusterFn | None = None,
     resolved: ResolvedSelection | None = None,
+    device: Any = None,
     **overrides: Any,
 ) -> Plan:
     """Cluster fixed per-example features and build the :class:`Plan` (steps 2-4 of the method).
 
     Args:
-        features: (N, d) float32/float64 array (numpy, memmap or CPU tensor).
+        features: (N, d) float32/float64 array (numpy, memmap or a torch tensor on any device).
         config: the selection settings (:class:`clusterlm.SelectConfig`); ``overrides`` (any of its fields,
             e.g. ``world_size=4, ratio=0.31``) are applied on top.
         lengths: (N,) tokens per example (for token balancing and statistics); default all ones.
@@ -122,6 +125,10 @@ def select_from_features(
             :class:`clusterlm.distributed.DistributedClustering`); see :data:`ClusterFn`.
         resolved: ``config.resolve(N, lengths)`` when the caller resolved it already (before computing the
             features), so the settings are validated once.
+        device: where the in-process K-means runs (:func:`kmeans_device`): on a CUDA device the (normalised)
+            features are copied there once and the CUDA K-means runs when ``kmeans_backend`` is ``"cuda"``, or
+            ``"auto"`` with the CUDA part of ``cluster_kernels._C`` built; None: the device of ``features`` (a CUDA
+            tensor's, else the CPU). Picks and the plan are computed on the host copy.
 
     Returns:
         The Plan (per-rank indices of equal length, weights, labels, distances, statistics).
@@ -131,6 +138,8 @@ def select_from_features(
             example per cluster, bounds no clustering can meet.
     """
     config = (config or SelectConfig()).replace(**overrides)
+    if device is None and hasattr(features, "device"):
+        device = features.device
     x = _check_features(features)
     s = config.resolve(x.shape[0], lengths) if resolved is None else resolved
     if s.n != x.shape[0]:
@@ -144,7 +153,7 @@ def select_from_features(
         x = l2_normalize(x)
     t0 = time.perf_counter()
     km = _cluster(x, s, seed=s.seed, max_iter=int(config.max_iter), kmeans_backend=config.kmeans_backend,
-                  cluster_fn=cluster_fn)
+                  cluster_fn=cluster_fn, device=kmeans_device(device, config.kmeans_backend))
     stage["kmeans"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     picked = _pick(x, km, s, lengths, seed=s.seed)
@@ -164,8 +173,35 @@ def _check_features(features: Any) -> np.ndarray:
     return x
 
 
+def kmeans_device(device: Any, kmeans_backend: str = "auto") -> torch.device | None:
+    """The CUDA device the in-process K-means runs on, or None for the host.
+
+    CUDA when ``device`` is a CUDA device and ``kmeans_backend`` is ``"cuda"``, or ``"auto"`` with the CUDA K-means
+    built (:func:`cluster_kernels.has_cuda_kmeans`; without it the host's C++ path beats the float64 reference on
+    the GPU). ``"cpu"`` / ``"torch"`` keep the host. An explicit ``"cuda"`` without a CUDA ``device`` asks the
+    dispatcher as given (its error says what is missing).
+    """
+    if device is None or torch.device(device).type != "cuda" or kmeans_backend in ("cpu", "torch"):
+        return None
+    if kmeans_backend == "auto" and not has_cuda_kmeans():
+        return None
+    return torch.device(device)
+
+
+def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The one host-to-device copy of the features for the CUDA K-means."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
+def _on_host(km: Any) -> Any:
+    """A K-means result whose torch fields (CUDA tensors) are numpy arrays, as the picks and the plan expect."""
+    host = {f: getattr(km, f).cpu().numpy() for f in ("labels", "centroids", "distances", "sizes")
+            if isinstance(getattr(km, f, None), torch.Tensor)}
+    return replace(km, **host) if host else km
+
+
 def _cluster(x: np.ndarray, s: ResolvedSelection, *, seed: int, max_iter: int, kmeans_backend: str,
-             cluster_fn: Callable[..., Any] | None) -> Any:
+             cluster_fn: Callable[..., Any] | None, device: torch.device | None = None) -> Any:
     """Capacity K-means on the features (or ``cluster_fn``, the distributed one); labels and distances.
 
     The paper preset's world size 1 clusters nothing (the authors keep all data); its ``"authors"`` clustering is
@@ -179,8 +215,9 @@ def _cluster(x: np.ndarray, s: ResolvedSelection, *, seed: int, max_iter: int, k
     if cluster_fn is not None:
         return cluster_fn(s.n_clusters, min_cluster_size=s.min_cluster_size, max_cluster_size=s.max_cluster_size,
                           n_init=s.n_init, max_iter=max_iter, seed=seed, normalize=s.normalize)
-    return capacity_kmeans(x, s.n_clusters, min_size=s.min_cluster_size, max_size=s.max_cluster_size, n_init=s.n_init,
-                           max_iter=max_iter, seed=seed, backend=kmeans_backend)
+    data = x if device is None else _to_device(x, device)
+    return _on_host(capacity_kmeans(data, s.n_clusters, min_size=s.min_cluster_size, max_size=s.max_cluster_size,
+                                    n_init=s.n_init, max_iter=max_iter, seed=seed, backend=kmeans_backend))
 
 
 @dataclass
@@ -409,9 +446,14 @@ def select(
     plan = select_from_features(
         feats, config, lengths=lengths_of(dataset), fingerprint=fingerprint(dataset),
         model_id=model_id or compute_model_id(model), timings=timings,
-        extra_config={"features": featurizer_record(featurizer, s)}, resolved=s,
+        extra_config={"features": featurizer_record(featurizer, s)}, resolved=s, device=_model_device(model),
     )
     return (plan, np.asarray(feats)) if return_features else plan
+
+
+def _model_device(model: Any) -> torch.device | None:
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return None if param is None else param.device
 
 
 if __name__ == "__main__":  # the old distributed entry point: say what replaced it

@@ -93,9 +93,11 @@ must be the one the plan was made with (the default takes it from the plan).
 Precision. ``--bf16 on`` autocasts to bfloat16 over float32 weights; ``auto`` turns it on only on CUDA
 GPUs with bf16. On a CPU without native bf16 instructions (no ``avx512_bf16`` / ``amx_bf16``) bf16
 autocast is emulated and a step is about an order of magnitude slower than float32, so the trainer warns.
-Pure low-precision weights (``--model-dtype bfloat16/float16``) are refused for full fine-tuning: AdamW
+Pure low-precision weights (``--dtype bfloat16/float16``) are refused for full fine-tuning: AdamW
 updates below the weights' resolution round away. With LoRA the frozen base may be bf16/fp16 (peft keeps
-the adapters in float32).
+the adapters in float32); ``--dtype auto`` (the default) is float32 for full fine-tuning and, with LoRA, bfloat16
+on a CUDA device that supports it (:func:`weights_dtype`). The weights load straight onto the rank's device in
+that dtype (FSDP: on the host, then each shard moves as it is sharded).
 
 The code reads top to bottom: setup (arguments, processes, the out directory), data (plan, examples),
 model, the loop (:class:`Run` holds what is built once, :class:`State` what the loop advances),
@@ -172,7 +174,7 @@ from clusterlm.launch import (
     under_torchrun,
 )
 from clusterlm.metrics import CURVE, METRICS, SUMMARY, MetricsLog, plot_training, step_record, summarize, summary_text
-from clusterlm.models import BUILTIN_MODELS, GGUF_MODELS, check_model_id, load_model
+from clusterlm.models import BUILTIN_MODELS, GGUF_MODELS, check_model_id, load_model, resolve_dtype
 from clusterlm.plan import Plan
 from clusterlm.planfile import plan_dir_hint, read_plan_meta
 from clusterlm.sampler import PlanSampler
@@ -181,10 +183,12 @@ __all__ = [
     "CKPT_DIR", "CURVE", "LATEST", "LAUNCHER_OPTIONS", "METRICS", "SUMMARY", "Run", "State", "build_model",
     "check_checkpoint_kind", "check_fsdp", "check_inputs", "check_out_location", "check_unlocked",
     "cpu_has_native_bf16", "launch", "load_plan", "lock_out", "plan_world_size", "setup_distributed", "train",
-    "uses_fsdp", "validate_args", "verify_plan", "world_size_error",
+    "weights_dtype",
+    "uses_fsdp", "validate_args", "verify_plan", "world_size_error", "INITIAL_EVAL_EXAMPLES",
 ]
 
 CPUINFO = "/proc/cpuinfo"
+INITIAL_EVAL_EXAMPLES = "eval_examples_initial.json"  # the per-example losses of the evaluation before training
 # x86 flags of native bf16 arithmetic (AVX512-BF16, AMX), and aarch64's BF16 extension ("Features" line).
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # Half the relative spacing of representable values: smaller relative updates round to no change.
@@ -225,7 +229,7 @@ def validate_args(args: Any) -> None:
     Raises:
         ValueError: a number out of range (``--lr`` not > 0, a ratio outside [0, 1), a beta outside [0, 1),
             negative decay or clipping, ``--lora-alpha`` not > 0, ...), LoRA without target modules,
-            ``--device cuda`` without CUDA, ``--model-dtype bfloat16/float16`` without LoRA (full fine-tuning
+            ``--device cuda`` without CUDA, ``--dtype bfloat16/float16`` without LoRA (full fine-tuning
             of low-precision weights).
     """
     for flag, attr, low, high, low_ok, high_ok, what in _RANGES:
@@ -246,12 +250,12 @@ def validate_args(args: Any) -> None:
                              "(q_proj,v_proj) or all-linear.")
     if getattr(args, "device", "auto") == "cuda" and not torch.cuda.is_available():
         raise ValueError("train: --device cuda but torch sees no CUDA device; use --device cpu or auto.")
-    dtype = getattr(args, "model_dtype", "float32")
+    dtype = getattr(args, "dtype", "auto")
     if dtype in _WEIGHT_DTYPE_RESOLUTION and not getattr(args, "lora_r", 0):
         raise ValueError(
-            f"train: --model-dtype {dtype} without LoRA trains the weights themselves in {dtype}, where an update "
+            f"train: --dtype {dtype} without LoRA trains the weights themselves in {dtype}, where an update "
             f"smaller than about {_WEIGHT_DTYPE_RESOLUTION[dtype]} of a weight rounds away, as most AdamW steps at "
-            "fine-tuning learning rates do, so the model barely learns; use --model-dtype float32 with --bf16 on "
+            "fine-tuning learning rates do, so the model barely learns; use --dtype float32 (or auto) with --bf16 on "
             f"(bf16 autocast over float32 weights), or a LoRA run on the {dtype} base (--lora-r 16)."
         )
 
@@ -512,11 +516,24 @@ def plan_digest(plan: Plan) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+def weights_dtype(dtype: str, lora: bool, device: torch.device) -> torch.dtype:
+    """The dtype training loads the weights in: ``--dtype`` as given, and for ``"auto"`` float32 when the weights
+    themselves train (full fine-tuning) and the frozen LoRA base in :func:`clusterlm.models.resolve_dtype`'s choice
+    (bfloat16 on a CUDA device that supports it, else float32)."""
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return resolve_dtype("auto", device) if lora else torch.float32
+
+
 def build_model(args: Any, di: DistInfo) -> tuple[torch.nn.Module, Any, str]:
-    """Load the model (optionally with LoRA) on this rank's device; ``(model, tokenizer, model_id)``."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.model_dtype]
+    """Load the model (optionally with LoRA) on this rank's device; ``(model, tokenizer, model_id)``.
+
+    The weights go straight from the files to ``di.device`` in :func:`weights_dtype` (no float32 host copy); under
+    FSDP they load on the host and each shard moves to the device as it is sharded (:func:`clusterlm.fsdp.shard_model`).
+    """
+    dtype = weights_dtype(args.dtype, args.lora_r > 0, di.device)
     torch.manual_seed(args.seed)  # the same LoRA initialisation on every rank (DDP broadcasts rank 0's anyway)
-    model, tokenizer, model_id = load_model(args.model, dtype=dtype)
+    model, tokenizer, model_id = load_model(args.model, dtype=dtype, device=None if uses_fsdp(args) else di.device)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and DDP. transformers 5 renamed the call.
         kwargs = {"use_reentrant": False}
@@ -550,8 +567,8 @@ def add_lora(model: torch.nn.Module, args: Any) -> torch.nn.Module:
     low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
     if low:  # validate_args allowed the low-precision base on the promise of float32 adapters
         raise ValueError(
-            f"train: peft made the LoRA adapters {', '.join(low)} (--model-dtype {args.model_dtype}); they "
-            "would barely learn. Use --model-dtype float32 (with --bf16 on), or a peft that keeps adapters in "
+            f"train: peft made the LoRA adapters {', '.join(low)} (--dtype {args.dtype}); they "
+            "would barely learn. Use --dtype float32 (with --bf16 on), or a peft that keeps adapters in "
             "float32 (autocast_adapter_dtype)."
         )
     return model
@@ -842,9 +859,11 @@ def evaluate_now(run: Run, state: State) -> None:
     per_example = torch.zeros(2, len(run.eval_data), dtype=torch.float64, device=run.di.device)
     loss, n_tok = evaluate(run.model, run.eval_data, run.di, batch_size=run.args.eval_batch_size, pad_id=run.pad_id,
                            autocast_dtype=run.autocast_dtype, per_example=per_example)
-    if run.di.is_main:  # per-example summed token loss and answer tokens of this (the latest) evaluation
-        atomic_write_json(run.out / EVAL_EXAMPLES, {"step": state.step, "loss_sums": per_example[0].tolist(),
-                                                    "tokens": per_example[1].long().tolist()}, indent=None)
+    if run.di.is_main:  # per-example summed token loss and answer tokens of this (the latest) evaluation; the one
+        # before training also on its own (clusterlm compare's per-set losses of the base model)
+        record = {"step": state.step, "loss_sums": per_example[0].tolist(), "tokens": per_example[1].long().tolist()}
+        for name in (EVAL_EXAMPLES, INITIAL_EVAL_EXAMPLES) if state.step == 0 else (EVAL_EXAMPLES,):
+            atomic_write_json(run.out / name, record, indent=None)
     state.log.append({"kind": "eval", "step": state.step, "eval_loss": loss, "eval_tokens": n_tok,
                       "eval_time": time.perf_counter() - t0})
     run.say(f"step {state.step}: held-out loss {loss:.4f} ({n_tok} answer tokens)")

@@ -157,3 +157,40 @@ def test_features_check_runs_end_to_end_on_the_cpu(demo, tmp_path):
     assert res["cosine"]["min"] > 0.9999  # the same model, device and dtype on both sides
     assert res["features_tokens_per_s"] > 0 and res["forward_tokens_per_s"] > 0 and res["speed_ratio"] > 0
     assert res["backends"]["lm_head_features"] in ("torch", "triton")
+
+
+def test_in_process_kmeans_runs_on_the_models_cuda_device(monkeypatch):
+    """select_from_features with a CUDA device: one device copy of the features goes to capacity_kmeans (auto
+    picks its CUDA kernels there), results come back to the host for the picks; cpu/torch backends and a build
+    without the CUDA K-means stay on the host."""
+    import numpy as np
+
+    import clusterlm.select as sel
+    from cluster_kernels import capacity_kmeans as real_kmeans
+
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    seen = []
+
+    def upload(arr, device):  # the H2D copy itself needs a CUDA build; a fake CUDA tensor of the same shape stands in
+        seen.append(("copy", tuple(arr.shape), device))
+        with FakeTensorMode():
+            return torch.empty(arr.shape, dtype=torch.float32, device=device)
+
+    def kmeans(data, k, **kw):  # what the CUDA K-means would return, computed by the C++ one on the same features
+        seen.append(("kmeans", data.device if isinstance(data, torch.Tensor) else type(data).__name__, kw["backend"]))
+        return real_kmeans(sel.l2_normalize(x), k, **kw | {"backend": "cpu"})
+
+    monkeypatch.setattr(sel, "_to_device", upload)
+    monkeypatch.setattr(sel, "capacity_kmeans", kmeans)
+    monkeypatch.setattr(sel, "has_cuda_kmeans", lambda: True)
+    plan = sel.select_from_features(x, world_size=2, ratio=0.5, device="cuda:0")
+    assert seen == [("copy", (64, 8), CUDA), ("kmeans", CUDA, "auto")]
+    assert plan.n_selected == 32 and isinstance(plan.cluster_labels, np.ndarray)
+    assert sel.kmeans_device("cuda:0", "cuda") == CUDA
+    assert sel.kmeans_device("cuda:0", "cpu") is None and sel.kmeans_device("cuda:0", "torch") is None
+    assert sel.kmeans_device("cpu", "auto") is None and sel.kmeans_device(None, "auto") is None
+    monkeypatch.setattr(sel, "has_cuda_kmeans", lambda: False)
+    assert sel.kmeans_device("cuda:0", "auto") is None  # the host C++ path, not the float64 reference on the GPU
+    seen.clear()
+    sel.select_from_features(x, world_size=2, ratio=0.5, device="cuda:0")
+    assert len(seen) == 1 and seen[0][0] == "kmeans" and seen[0][1] == "ndarray"

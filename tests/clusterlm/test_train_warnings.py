@@ -82,8 +82,8 @@ def _args(*extra: str):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_pure_low_precision_weights_refused_without_lora(dtype):
-    with pytest.raises(ValueError, match=f"--model-dtype {dtype}") as info:
-        T.validate_args(_args("--model-dtype", dtype))
+    with pytest.raises(ValueError, match=f"--dtype {dtype}") as info:
+        T.validate_args(_args("--dtype", dtype))
     msg = str(info.value)
     assert "\n" not in msg and "--bf16 on" in msg and "float32" in msg and "LoRA" in msg
     T.validate_args(_args("--model-dtype", dtype, "--lora-r", "4"))  # frozen low-precision base: allowed
@@ -101,7 +101,7 @@ def test_pure_bf16_refused_by_the_cli_before_anything_is_loaded(tmp_path, monkey
             "--out", str(tmp_path / "out"), "--model-dtype", "bfloat16", "--nproc", "2"]
     assert cli.main(["train", *argv]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("clusterlm train: error: train: --model-dtype bfloat16")
+    assert len(err) == 1 and err[0].startswith("clusterlm train: error: train: --dtype bfloat16")
     assert not (tmp_path / "out").exists()
 
 
@@ -182,3 +182,36 @@ def test_paper_plan_summary_states_the_shortfall():
     default = select_from_features(x, world_size=4, ratio=0.31, seed=0)  # meets the request (up to rounding)
     first = default.summary().splitlines()[0]
     assert "requested" not in first and f"({100 * default.n_selected / n:.1f} %)" in first
+
+
+def test_weights_dtype_auto_is_float32_for_full_fine_tuning_and_bf16_lora_base_on_cuda(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert T.weights_dtype("auto", False, cpu) is torch.float32
+    assert T.weights_dtype("auto", True, cpu) is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert T.weights_dtype("auto", False, cuda) is torch.float32  # the weights themselves train: never bf16
+    assert T.weights_dtype("auto", True, cuda) is torch.bfloat16  # frozen base
+    assert T.weights_dtype("float16", True, cpu) is torch.float16
+    assert _args().dtype == "auto" and _args("--model-dtype", "float32").dtype == "float32"  # older name
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_build_model_loads_straight_onto_the_rank_device(monkeypatch, fsdp):
+    """No host copy then .to(device): load_model gets the rank's device (FSDP: the host, shards move later)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(spec, *, dtype=None, device=None, root=None):
+        seen.update(dtype=dtype, device=device)
+        raise Stop
+
+    monkeypatch.setattr(T, "load_model", fake_load)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    extra = ("--lora-r", "4") + (("--fsdp",) if fsdp else ())
+    di = DistInfo(1, 2, 1, None, torch.device("cuda", 1))
+    with pytest.raises(Stop):
+        T.build_model(_args(*extra), di)
+    assert seen["dtype"] is torch.bfloat16
+    assert seen["device"] == (None if fsdp else torch.device("cuda", 1))

@@ -290,7 +290,8 @@ class PlanTrainerMixin:
                 f"{self.args.world_size}; leave it out (the trainer sets it)."
             )
         kwargs.setdefault("progress", not self.args.disable_tqdm)
-        kwargs.setdefault("model_id", compute_model_id(model))
+        if "model_id" not in kwargs:  # not setdefault: that would hash every weight even when an id is given
+            kwargs["model_id"] = compute_model_id(model)
         was_training = model.training
         # Under FSDP the Trainer places the model only when it shards it, and a gathered copy is on the CPU: features
         # are computed on this rank's accelerator all the same (the other ranks wait).
