@@ -211,9 +211,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast (auto: on CUDA)")
     g.add_argument("--dtype", "--model-dtype", dest="dtype", choices=DTYPES, default="auto",
-                   help="weights' dtype, loaded straight onto the device: auto (float32 for full fine-tuning, whose "
-                   "weights AdamW updates; with LoRA the frozen base in bfloat16 on a CUDA device that supports "
-                   "it), float32, bfloat16, float16; compute precision is --bf16 (--model-dtype: older name)")
+                   help="weights' dtype on the device (auto: float32 for full fine-tuning, a bfloat16 LoRA base on "
+                   "CUDA; compute precision is --bf16; --model-dtype: older name)")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per decoder "

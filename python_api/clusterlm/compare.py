@@ -53,6 +53,16 @@ mean/std and the differences to random and to full data with their 95 % interval
 ``verdict:`` line per method) and ``compare.png`` (time bars, held-out loss with std error bars, the frontier).
 Intervals: :mod:`clusterlm.stats` (two-level bootstrap over seeds and evaluation examples, paired by seed when
 the methods ran the same seeds).
+
+Several evaluation sets: ``--eval-data code=a.jsonl --eval-data math=b.jsonl`` (:mod:`clusterlm.compare_eval`; a bare
+path is named after its file stem). The first is primary: ``eval_loss``, the intervals vs random / full, the
+verdicts and the frontier are its. Every run evaluates every set (the trainer evaluates them together from one
+tokenised file, ``OUT/eval_sets/``, so one evaluation gives every set's per-example losses, before training too);
+each method's summary gains ``eval_sets: {name: {loss, ci95, initial_loss, delta_vs_random, ci95_vs_random,
+delta_vs_full, ...}}``, ``compare.md`` a table per set, ``eval_losses.json`` each unit's losses per set. No
+evaluation example may also be a training example, nor one of LESS's validation examples: checked on the raw
+records' whitespace-normalised text before any model work (:func:`clusterlm.compare_eval.check_overlap`). With
+several sets the settings key holds their names and content hashes; one set keys by its path, as before.
 """
 
 from __future__ import annotations
@@ -392,12 +402,11 @@ def _result(args: argparse.Namespace, settings: dict[str, Any], keys: dict[float
             records: list[dict[str, Any]], eval_meta: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``compare.json``: the settings, the evaluation sets, per ratio the per-method summary, the frontier, the
     records (without their per-example losses: ``eval_losses.json``)."""
-    eval_meta = eval_meta or []
+    first = records[0] if records else {}
+    sets_of_first = first.get("eval_sets") or {}
+    eval_meta = [{**m, "evaluated": first.get("n_eval") if m["primary"] else  # the primary: without LESS's tail
+                  sets_of_first.get(m["name"], {}).get("n_eval")} for m in eval_meta or []]
     names = [m["name"] for m in eval_meta]
-    for m in eval_meta:  # examples evaluated per set (the primary's without LESS's validation tail)
-        n = [r["n_eval"] if m["primary"] else (r.get("eval_sets") or {}).get(m["name"], {}).get("n_eval")
-             for r in records[:1]]
-        m["evaluated"] = n[0] if n else None
     full = [r for r in records if r["method"] == "full"]
     by_ratio = {}
     for ratio in args.ratios:
@@ -612,9 +621,10 @@ class _Session:
             raise RuntimeError(f"compare: the trainer evaluated {len(per_example['tokens'])} examples of "
                                f"{self.train_eval_path}, {self.eval_slices[-1][2]} expected.")
         sets, primary = set_losses(per_example, self.eval_slices), self.eval_slices[0][0]
-        if base is None:
-            before = json.loads((train_dir / INITIAL_EVAL_EXAMPLES).read_text(encoding="utf-8"))
-            initial = {n: v["eval_loss"] for n, v in set_losses(before, self.eval_slices).items()}
+        if base is None:  # this run measured the losses before training
+            path = train_dir / INITIAL_EVAL_EXAMPLES
+            before = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            initial = {n: v["eval_loss"] for n, v in set_losses(before, self.eval_slices).items()} if before else {}
         else:
             initial = {n: v.get("initial_eval_loss") for n, v in (base.get("eval_sets") or {}).items()}
             initial[primary] = base["initial_eval_loss"]

@@ -16,6 +16,10 @@ example does not. Tokenised records (``input_ids`` / ``labels``) hash their ids:
 records. :func:`check_overlap` refuses a set that shares any example with the training data (one line: the set,
 the count, the first positions), and LESS's validation examples (the primary set's last ``--n-validation``)
 that are also evaluated examples of any set.
+
+Evaluation. With several sets the trainer evaluates them together from one tokenised file (:func:`eval_layout`);
+:func:`set_losses` splits a run's per-example losses back by set, :func:`on_set` shows records as if one set were
+their only one (so compare's interval functions serve every set), :func:`eval_set_tables` prints a table per set.
 """
 
 from __future__ import annotations
