@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -64,6 +65,25 @@ _TORCH_CHUNK = 256  # tokens per segment-reduction item on the torch path (paddi
 # --------------------------------------------------------------------------------------------------
 
 
+# The last device offsets copied to the host: the featurizer hands one cu_seqlens to every layer of a batch, and a
+# copy per layer would be one device synchronisation per layer. Keyed by the tensor itself (a weak reference) and
+# its version counter, so an in-place change is copied again.
+_last_offsets: tuple[weakref.ref, int, np.ndarray] | None = None
+
+
+def _host_offsets(cu_seqlens: torch.Tensor) -> np.ndarray:
+    """``cu_seqlens`` as a read-only host int64 array; a device tensor already copied (and unchanged) is not
+    copied again."""
+    global _last_offsets
+    last = _last_offsets
+    if last is not None and last[0]() is cu_seqlens and last[1] == cu_seqlens._version:
+        return last[2]
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    cu.setflags(write=False)
+    _last_offsets = (weakref.ref(cu_seqlens), cu_seqlens._version, cu)
+    return cu
+
+
 def check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, n_tok: int) -> np.ndarray:
     """Validate packed-sequence offsets and return them as a host int64 array.
 
@@ -86,7 +106,7 @@ def check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, n_tok: int) -> np.ndarra
             f"{op}: cu_seqlens must be 1-D with B + 1 >= 1 entries (offsets of B examples), "
             f"got shape {tuple(cu_seqlens.shape)}."
         )
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    cu = _host_offsets(cu_seqlens)
     if cu[0] != 0:
         raise ValueError(f"{op}: cu_seqlens[0] must be 0, got {int(cu[0])}.")
     steps = np.diff(cu)

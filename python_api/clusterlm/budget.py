@@ -30,6 +30,12 @@ def check_int(value: Any, name: str, low: int = 1) -> int:
     return int(value)
 
 
+def _is_fraction(value: object) -> bool:
+    """A real number in (0, 1] (numpy scalars included, bools and NaN not)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+            and 0 < value <= 1)
+
+
 def resolve_budget(n: int, ratio: float | None, budget: int | None) -> int:
     """Total number of examples requested: ``round(ratio * n)`` or ``budget``.
 
@@ -42,7 +48,7 @@ def resolve_budget(n: int, ratio: float | None, budget: int | None) -> int:
             f"ratio={ratio!r}, budget={budget!r}."
         )
     if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        if not _is_fraction(ratio):
             raise ValueError(f"select: ratio must be in (0, 1], got {ratio!r}; e.g. ratio=0.31 keeps 31 %.")
         return max(1, round(float(ratio) * n))
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= n:
@@ -65,7 +71,7 @@ def resolve_token_budget(lengths: np.ndarray, token_ratio: float | None, token_b
             f"token_budget={token_budget!r}."
         )
     if token_ratio is not None:
-        if isinstance(token_ratio, bool) or not isinstance(token_ratio, (int, float)) or not 0 < token_ratio <= 1:
+        if not _is_fraction(token_ratio):
             raise ValueError(
                 f"select: token_ratio must be in (0, 1], got {token_ratio!r}; e.g. token_ratio=0.31 keeps 31 % of "
                 "the tokens."

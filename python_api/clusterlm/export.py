@@ -179,6 +179,13 @@ def _check_source(plan: Plan, ds: Any, verify: bool) -> None:
         plan.verify(ds.select_columns(["input_ids", "labels"]))
         return
     if len(ds) != plan.n_examples:
+        n_empty = int((plan.config.get("data") or {}).get("n_empty") or 0)
+        if n_empty and len(ds) == plan.n_examples + n_empty:
+            raise ValueError(
+                f"plan export: the data set has {len(ds)} rows and the plan {plan.n_examples} examples: selection "
+                f"skipped the {n_empty} rows with an empty answer; pass the model the plan was made with (--model / "
+                "model=) so export tokenises the rows and skips the same ones."
+            )
         raise ValueError(
             f"plan export: the plan was made for {plan.n_examples} examples, the data set has {len(ds)} rows; export "
             "the data the plan was made for (in the same order)."

@@ -187,3 +187,19 @@ def _bad_cases():
 def test_bad_input_is_refused_with_a_clear_message(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         project_linear_grads(**kwargs)
+
+
+def test_offsets_reach_the_host_once_per_tensor_and_again_after_a_change():
+    """One cu_seqlens serves every layer of a batch: its host copy (a device sync on a GPU) is made once."""
+    from cluster_kernels.project_linear_grads import check_cu_seqlens
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = check_cu_seqlens("op", cu, 7)
+    assert check_cu_seqlens("op", cu, 7) is first and not first.flags.writeable
+    other = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert check_cu_seqlens("op", other, 7) is not first
+    cu[1] = 5  # in place: the version counter moves, so the offsets are read again
+    assert check_cu_seqlens("op", cu, 7).tolist() == [0, 5, 7]
+    cu[2] = 9
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] must equal"):
+        check_cu_seqlens("op", cu, 7)

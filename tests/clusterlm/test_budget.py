@@ -192,3 +192,12 @@ def test_cluster_size_bound_forms():
 def test_cluster_size_bound_errors_name_the_argument(value):
     with pytest.raises(ValueError, match="select: max_cluster_size must be"):
         cluster_size_bound(value, "max_cluster_size", 100, 4, 10)
+
+
+def test_numpy_scalars_are_ratios_too_and_nan_is_not():
+    assert resolve_budget(100, np.float32(0.31), None) == resolve_budget(100, 0.31, None) == 31
+    assert resolve_budget(100, np.float64(1.0), None) == 100
+    assert resolve_token_budget(np.array([10, 30]), np.float64(0.5), None) == 20
+    for bad in (float("nan"), np.float64("nan"), np.bool_(True), True):
+        with pytest.raises(ValueError, match="ratio must be in"):
+            resolve_budget(100, bad, None)

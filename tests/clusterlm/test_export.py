@@ -86,6 +86,14 @@ def test_layout_refusals_and_drop_last():
         plan_to_dataset(plan, other)
     with pytest.raises(ValueError, match="made for 16 examples, the data set has 15 rows"):
         plan_to_dataset(plan, [{"prompt": "p", "response": "r"}] * 15)
+    # raw rows of a plan whose selection skipped empty answers: the count gap is explained, with the fix
+    plan.config["data"] = {"n_empty": 2}
+    with pytest.raises(ValueError, match="skipped the 2 rows with an empty answer; pass the model") as info:
+        plan_to_dataset(plan, [{"prompt": "p", "response": "r"}] * 18)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="made for 16 examples, the data set has 17 rows"):
+        plan_to_dataset(plan, [{"prompt": "p", "response": "r"}] * 17)
+    del plan.config["data"]
     with pytest.raises(ValueError, match=r"already has the column\(s\) \['weight'\]"):
         plan_to_dataset(plan, [{"prompt": "p", "response": "r", "weight": 1.0}] * 16)
 
