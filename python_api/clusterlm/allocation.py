@@ -9,7 +9,8 @@ Two allocations:
   allow.
 - ``"stratified"``: every rank gets a proportional share of every cluster. Each cluster's selected
   examples are dealt to ranks in a snake (0, 1, .., K-1, K-1, .., 0, ..) after sorting them by
-  length, so every rank receives the same count and almost the same tokens from every cluster.
+  length, and a cluster's remainder goes to the ranks next in turn across clusters, so every rank receives
+  the same count (or one more) and almost the same tokens from every cluster.
 
 Token totals. Whole clusters can differ in length (a cluster of long functions): with
 ``token_balance=True`` and one or more clusters per rank, :func:`rebalance_tokens` exchanges some of a
@@ -85,16 +86,21 @@ def _deal_clusters(groups: Sequence[np.ndarray], world_size: int, lengths: np.nd
 
 
 def _stratify(groups: Sequence[np.ndarray], world_size: int, lengths: np.ndarray) -> list[np.ndarray]:
-    """Deal each cluster's examples over the ranks in a snake order of decreasing length."""
+    """Deal each cluster's examples over the ranks: full laps in a snake order of decreasing length, then the
+    cluster's remainder (``len(g) mod world_size`` examples, the shortest) to the next ranks of a pointer that runs
+    on across clusters. So every rank gets ``len(g) // world_size`` or one more of every cluster, and the extras
+    even out over the clusters (the callers make the total a multiple of the world size)."""
     dealt: list[list[int]] = [[] for _ in range(world_size)]
-    # The snake continues across clusters so that remainders land on different ranks.
-    pos = 0
+    nxt = 0  # the rank that takes the next remainder example
     for g in groups:
         by_len = g[np.lexsort((g, -lengths[g]))]
-        for idx in by_len:
+        laps = len(by_len) // world_size
+        for pos, idx in enumerate(by_len[: laps * world_size]):
             lap, off = divmod(pos, world_size)
             dealt[off if lap % 2 == 0 else world_size - 1 - off].append(int(idx))
-            pos += 1
+        for idx in by_len[laps * world_size:]:
+            dealt[nxt].append(int(idx))
+            nxt = (nxt + 1) % world_size
     return [np.asarray(d, dtype=np.int64) for d in dealt]
 
 
