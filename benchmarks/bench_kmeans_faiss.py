@@ -181,7 +181,8 @@ def targets(results: dict[tuple, dict[str, Any]], sizes: list[tuple[int, int]], 
 
 def sections(results: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
     rows, phase_rows = [], []
-    for (n, d, t, config), r in results.items():
+    order = list(CONFIGS)
+    for (n, d, t, config), r in sorted(results.items(), key=lambda kv: (*kv[0][:3], order.index(kv[0][3]))):
         if "error" in r:
             rows.append([n, d, t, config, None, None, None, None, f"failed: {r['error']}"])
             continue
@@ -216,6 +217,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions at n=200 000 (1 at n=1 000 000)")
     ap.add_argument("--configs", default=";".join(CONFIGS), help="configurations (names), separated by ';'")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--sizes", default="200000x256,1000000x1024",
+                    help="n x d, comma-separated (every --configs at the first, 'random, no capacity' at the others)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the rows already in --out (measured earlier) and measure only the missing ones")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -228,12 +233,15 @@ def main() -> int:
         have_faiss = False
         print("bench_kmeans_faiss: faiss is not installed (pip install -e '.[bench]'): ours only", file=sys.stderr)
     threads = [int(t) for t in args.threads.split(",")]
-    sizes = [(200_000, 256)] + ([] if args.small else [(1_000_000, 1024)])
-    results: dict[tuple, dict[str, Any]] = {}
-    for n, d in sizes:
-        configs = args.configs.split(";") if n == 200_000 else ["random, no capacity"]
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    sizes = sizes[:1] if args.small else sizes
+    results = _kept(args.out) if args.keep else {}
+    for i, (n, d) in enumerate(sizes):
+        configs = args.configs.split(";") if i == 0 else ["random, no capacity"]
         for t in threads:
             for config in configs:
+                if "error" not in results.get((n, d, t, config), {"error": ""}):
+                    continue  # measured earlier (--keep)
                 reps = 1 if n > 200_000 or CONFIGS[config][1] == "exact" else args.reps
                 spec = {"config": config, "n": n, "d": d, "threads": t, "faiss": have_faiss, "reps": reps}
                 results[(n, d, t, config)] = run(spec)
@@ -245,15 +253,36 @@ def main() -> int:
     return 0
 
 
+def _command(args: argparse.Namespace) -> str:
+    """This run's command line; with ``--keep``, after the earlier ones whose rows it kept."""
+    this = "python " + shlex.join(["benchmarks/bench_kmeans_faiss.py", *sys.argv[1:]])
+    if args.keep and args.out.is_file():
+        earlier = json.loads(args.out.read_text()).get("command", "")
+        if earlier and this not in earlier.split("; then "):
+            return f"{earlier}; then {this}"
+    return this
+
+
+def _kept(out: Path) -> dict[tuple, dict[str, Any]]:
+    """The rows an earlier run wrote to ``out`` (``--keep``)."""
+    if not out.is_file():
+        return {}
+    raw = json.loads(out.read_text()).get("raw") or []
+    return {(r["n"], r["d"], r["threads"], r["config"]): r["result"] for r in raw}
+
+
 def write(args: argparse.Namespace, results: dict[tuple, dict[str, Any]], sizes: list[tuple[int, int]],
           threads: list[int]) -> dict[str, Any]:
-    """The result file of the configurations measured so far."""
+    """The result file of the configurations measured so far (with the rows kept from earlier runs)."""
+    sizes = sorted({*sizes, *((n, d) for n, d, _, _ in results)})
+    threads = sorted({*threads, *(t for _, _, t, _ in results)})
     result = {"title": "Capacity K-means per Lloyd iteration vs faiss (issue 22)",
               "date": datetime.date.today().isoformat(),
               "machine": machine_description(f"{args.threads} threads (OpenMP, OpenBLAS, faiss)",
                                              ["faiss-cpu", "numpy", "torch"]),
-              "command": "python " + shlex.join(["benchmarks/bench_kmeans_faiss.py", *sys.argv[1:]]),
-              "sections": sections(results), "targets": targets(results, sizes, threads)}
+              "command": _command(args),
+              "sections": sections(results), "targets": targets(results, sizes, threads),
+              "raw": [{"n": n, "d": d, "threads": t, "config": c, "result": r} for (n, d, t, c), r in results.items()]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
