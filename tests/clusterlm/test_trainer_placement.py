@@ -34,6 +34,9 @@ class _Stop(Exception):
     pass
 
 
+SELECT_NO_HASH = {"budget": 8, "progress": False, "model_id": "tiny"}  # an id given: no weights to hash
+
+
 def test_cluster_trainer_features_in_the_trainers_dtype_on_its_device(tmp_path, monkeypatch):
     seen = _recording_select(monkeypatch)
     model = hf_t._model().to(torch.bfloat16)
@@ -51,7 +54,7 @@ def test_a_model_already_on_an_accelerator_is_not_moved_to_the_cpu(tmp_path, mon
     """The Trainer placed the model on its device (meta stands in for cuda here): selection leaves it there."""
     seen = _recording_select(monkeypatch, run_real=False)
     trainer = ClusterTrainer(model=hf_t._model(), args=hf_t._args(tmp_path, max_steps=1),
-                             train_dataset=hf_t._examples(), select_kwargs={"budget": 8, "progress": False, "model_id": "tiny"})
+                             train_dataset=hf_t._examples(), select_kwargs=SELECT_NO_HASH)
     model = trainer.accelerator.unwrap_model(trainer.model).to("meta")
     moves = []
     monkeypatch.setattr(model, "to", lambda *a, **k: moves.append((a, k)) or model)
@@ -65,7 +68,7 @@ def test_an_unplaced_fsdp_model_features_on_the_accelerator_and_goes_back(tmp_pa
     """Under FSDP the gathered copy sits on the host: it visits the rank's device for the features, then returns."""
     seen = _recording_select(monkeypatch, run_real=False)
     trainer = ClusterTrainer(model=hf_t._model(), args=hf_t._args(tmp_path, max_steps=1),
-                             train_dataset=hf_t._examples(), select_kwargs={"budget": 8, "progress": False, "model_id": "tiny"})
+                             train_dataset=hf_t._examples(), select_kwargs=SELECT_NO_HASH)
     model = trainer.accelerator.unwrap_model(trainer.model)
     moves = []
     monkeypatch.setattr(model, "to", lambda *a, **k: moves.append(a[0]) or model)
