@@ -8,13 +8,15 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
 #include <limits>
 #include <stdexcept>
 #include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace cluster_kernels {
 
@@ -26,18 +28,11 @@ using auction::kMaxCost;
 using auction::Objects;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// PROFILE-TMP
-struct Prof {
-  int64_t calls = 0, phases = 0, rounds = 0, pulls = 0, bidall = 0, moved = 0, scanned = 0;
-  double t_bid = 0, t_pull = 0, t_pull_gap = 0, t_pull_cand = 0, t_pull_sel = 0, t_regret = 0, t_members = 0,
-         t_select = 0, t_rebid = 0, t_total = 0;
-  std::vector<int64_t> rounds_per_phase, pulls_per_phase;
-};
-Prof g_prof;
-inline double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-struct Lap { double& acc; double t0; explicit Lap(double& a) : acc(a), t0(now()) {} ~Lap() { acc += now() - t0; } };
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
+// Largest cost block (entries) of which the floor auction keeps a column-major copy for its reverse steps
+// (2^25 entries: 256 MiB, e.g. n = 524 288 at k = 64); above it they read the rows, so at n = 10^6, k = 64 the
+// auction holds no second n x k float64 array. Results are the same either way.
+constexpr int64_t kMaxColumnCopy = int64_t{1} << 25;
 
 // Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
 // checked (eps_schedule), so an internal error rather than a memory error.
@@ -55,6 +50,79 @@ struct Block {
 
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
 inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }
+
+// This thread's index and the team's size (0 and 1 outside a parallel region or without OpenMP).
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// The rows i in [0, n) with value(i, &v) true, reduced to a set that holds this rank's t smallest keys
+// (v, row) among them (all of them when fewer); val[i] = v for each. One parallel pass: every thread keeps
+// only what can still be among the t smallest of its own block, then the blocks are joined in order.
+// Keys are distinct, so the t smallest are the same set whatever the thread count.
+template <class Value>
+void smallest_candidates(int64_t n, int64_t t, double* val, Value value, std::vector<int64_t>& out) {
+  out.clear();
+  if (t <= 0) return;
+  const size_t cap = static_cast<size_t>(std::max<int64_t>(2 * t, 4096));
+  std::vector<std::vector<int64_t>> part;
+#pragma omp parallel
+  {
+#pragma omp single
+    part.resize(team_size());
+    std::vector<int64_t>& loc = part[thread_id()];
+    double tv = kInf;  // the key (tv, tg) of the t-th smallest kept after the last pruning
+    int64_t tg = kNoRow;
+    auto less = [&](int64_t a, int64_t c) { return val[a] < val[c] || (val[a] == val[c] && a < c); };
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      double v;
+      if (!value(i, &v) || !(v < tv || (v == tv && i < tg))) continue;
+      val[i] = v;
+      loc.push_back(i);
+      if (loc.size() >= cap) {
+        std::nth_element(loc.begin(), loc.begin() + (t - 1), loc.end(), less);
+        loc.resize(t);
+        tg = loc.back();  // the t-th smallest after nth_element
+        tv = val[tg];
+      }
+    }
+  }
+  for (const auto& loc : part) out.insert(out.end(), loc.begin(), loc.end());
+}
+
+// members[s] = the rows i in [0, n) with slot(i) == s (s in [0, groups); -1: none), in one parallel pass; the
+// order within a group depends on the thread count, so callers use each group as a set.
+template <class Slot>
+void group_rows(int64_t n, int64_t groups, Slot slot, std::vector<std::vector<int64_t>>& members) {
+  members.resize(groups);
+  for (auto& m : members) m.clear();
+  std::vector<std::vector<std::vector<int64_t>>> part;
+#pragma omp parallel
+  {
+#pragma omp single
+    part.assign(team_size(), std::vector<std::vector<int64_t>>(groups));
+    auto& loc = part[thread_id()];
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = slot(i);
+      if (s >= 0) loc[s].push_back(i);
+    }
+  }
+  for (const auto& loc : part)
+    for (int64_t s = 0; s < groups; ++s) members[s].insert(members[s].end(), loc[s].begin(), loc[s].end());
+}
 
 // Units per object. Every label is bounds-checked: a label comes from floating-point comparisons, and one out
 // of [0, m) would otherwise write outside `local`.
@@ -102,6 +170,100 @@ inline int64_t best_cluster(const double* Di, const double* prices, int64_t k, i
   *best_cost = bc;
   return best;
 }
+
+// The two cheapest options of a point: cost(o) for o in [0, m); best (lowest index on ties) and the cheapest
+// other than best (second, -1 when m == 1). The same values as two best-of scans, in one pass.
+struct Two {
+  int64_t best = -1, second = -1;
+  double bc = kInf, sc = kInf;
+};
+template <class Cost>
+inline Two best_two(int64_t m, Cost cost) {
+  Two t;
+  for (int64_t o = 0; o < m; ++o) {
+    const double c = cost(o);
+    if (c < t.bc) {
+      t.sc = t.bc;
+      t.second = t.best;
+      t.bc = c;
+      t.best = o;
+    } else if (c < t.sc) {
+      t.sc = c;
+      t.second = o;
+    }
+  }
+  return t;
+}
+
+// Per unit, the cheapest cost over the options other than its own (the "second cost" of a regret), with the
+// option giving it, the unit's option then and the tick it was taken at. Prices change by ticks; an entry
+// stays exact while the unit keeps that option, the option giving the value keeps its price and no price has
+// dropped anywhere (a rise elsewhere cannot lower the minimum; a drop could). The cached value is then the
+// very double a fresh scan would give (the same sums, the same minimum), so it saves rounds their O(m) scans
+// of members whose regret did not change without changing any result.
+class SecondCache {
+ public:
+  SecondCache(int64_t n, int64_t m) : sc_(n), arg_(n, -1), own_(n, -1), stamp_(n, 0), changed_(m, 0) {}
+
+  // Option o's price goes from before to after (serial code only).
+  void price(int64_t o, double before, double after) {
+    if (after == before) return;
+    changed_[o] = ++tick_;
+    if (after < before) dropped_ = tick_;
+  }
+  void put(int64_t i, int64_t own, const Two& t) {
+    const bool best_is_own = t.best == own;
+    sc_[i] = best_is_own ? t.sc : t.bc;
+    arg_[i] = static_cast<int32_t>(best_is_own ? t.second : t.best);
+    put_at(i, own);
+  }
+  void put(int64_t i, int64_t own, int64_t arg, double sc) {
+    sc_[i] = sc;
+    arg_[i] = static_cast<int32_t>(arg);
+    put_at(i, own);
+  }
+  // Option j's price drops from before to after (serial code; col: j's cost for every unit). The entries
+  // that were exact take j's new cost into account and stay exact: one pass instead of losing them all.
+  void lowered(int64_t j, double before, double after, const double* col) {
+    if (!(after < before)) {
+      price(j, before, after);
+      return;
+    }
+    const int64_t before_tick = changed_[j];  // j's last change before this one
+    const int64_t t = ++tick_;
+    changed_[j] = t;
+    const int64_t n = static_cast<int64_t>(sc_.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = arg_[i];
+      if (own_[i] < 0 || own_[i] == j || stamp_[i] < dropped_ ||
+          (a >= 0 && (a == j ? before_tick : changed_[a]) > stamp_[i]))
+        continue;  // no entry, one that leaves j out, or one that was no longer exact before this drop
+      const double v = col[i] + after;
+      if (v < sc_[i] || (v == sc_[i] && j < a)) {  // the lowest index among equal costs, as a scan gives
+        sc_[i] = v;
+        arg_[i] = static_cast<int32_t>(j);
+      }
+      stamp_[i] = t;
+    }
+  }
+  bool get(int64_t i, int64_t own, double* sc) const {
+    const int64_t a = arg_[i];
+    if (own_[i] != own || stamp_[i] < dropped_ || (a >= 0 && changed_[a] > stamp_[i])) return false;
+    *sc = sc_[i];
+    return true;
+  }
+
+ private:
+  void put_at(int64_t i, int64_t own) {
+    own_[i] = static_cast<int32_t>(own);
+    stamp_[i] = tick_;
+  }
+  std::vector<double> sc_;
+  std::vector<int32_t> arg_, own_;
+  std::vector<int64_t> stamp_, changed_;
+  int64_t tick_ = 0, dropped_ = 0;
+};
 
 // First and final eps from the largest per-point cost range over all ranks (as the reference's _eps_schedule).
 // It is also the check of the costs: the same all-reduce tells every rank alike whether some rank holds a NaN,
@@ -225,7 +387,7 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
 class FloorAuction {
  public:
   FloorAuction(const Block& b, const int64_t* hi, std::vector<double>& prices, int32_t* obj, const AuctionParams& ap)
-      : b_(b), hi_(hi), p_(prices), obj_(obj), ap_(ap), gap_(b.n), regret_(b.n) {
+      : b_(b), hi_(hi), p_(prices), obj_(obj), ap_(ap), own_(b.n), gap_(b.n), regret_(b.n), second_(b.n, b.k) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -236,11 +398,9 @@ class FloorAuction {
 
   int64_t run() {
     start(true);
-    if (at_free_argmin()) return rounds_;
     for (;;) {
-      ++g_prof.phases; g_prof.rounds_per_phase.push_back(0); g_prof.pulls_per_phase.push_back(pulls_phase_);
+      if (settled()) break;
       while (round()) {
-        ++g_prof.rounds_per_phase.back(); ++g_prof.rounds;
       }
       if (eps_ <= es_.eps_final) break;
       eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
@@ -250,12 +410,15 @@ class FloorAuction {
   }
 
  private:
-  // After the first phase start: every price 0 and no cluster over its cap. Every point then sits at its exact
-  // argmin, which is optimal; the later phases would move no point (none is more than eps from its best) and
-  // make no pull (no positive price), so they are skipped. Prices and counts are global: every rank agrees.
-  bool at_free_argmin() const {
+  // After a phase start that made no pull: every point at its exact argmin (ties count) and no cluster over its
+  // cap, so every cluster with a positive price is exactly full. The assignment is then optimal for these
+  // prices, and every later phase would move no point (none is above its best by any eps >= 0), pull nothing
+  // and run no round: they are skipped. Cold starts with all prices 0 and no cluster over its cap end here at
+  // once. Prices, counts and exact_ are global: every rank agrees.
+  bool settled() const {
+    if (!idle_) return false;
     for (int64_t j = 0; j < b_.k; ++j)
-      if (p_[j] != 0.0 || counts_[j] > hi_[j]) return false;
+      if (counts_[j] > hi_[j]) return false;
     return true;
   }
 
@@ -267,28 +430,79 @@ class FloorAuction {
   EpsSchedule es_{};
   double eps_ = 0.0;
   int64_t slack_ = 0, rounds_ = 0;
+  bool exact_ = false;  // after the last bid_all: every point (all ranks) at its exact argmin
+  bool idle_ = false;   // after the last phase start: exact_ and no pull
   std::vector<int64_t> counts_;
-  std::vector<double> gap_, regret_;
+  // own_[i]: the cost row(i)[obj_[i]] (without price), kept with obj_; cols_: the costs column-major (k, n),
+  // made at the first reverse step (empty before, or when the block is above kMaxColumnCopy entries). A
+  // reverse step then reads two contiguous arrays instead of two entries of every cost row.
+  std::vector<double> own_, cols_, gap_, regret_;
   std::vector<std::vector<int64_t>> members_;
+  SecondCache second_;
+
+  Two cheapest_two(int64_t i) const {
+    const double* Di = row(i);
+    return best_two(b_.k, [&](int64_t j) { return Di[j] + p_[j]; });
+  }
+
+  void set_price(int64_t j, double v) {
+    second_.price(j, p_[j], v);
+    p_[j] = v;
+  }
 
   const double* row(int64_t i) const { return b_.D + i * b_.k; }
 
+  // Column j of the costs (null when there is no column-major copy).
+  const double* column(int64_t j) {
+    if (cols_.empty() && b_.n * b_.k <= kMaxColumnCopy && b_.n > 0) {
+      cols_.resize(static_cast<size_t>(b_.n) * b_.k);
+      constexpr int64_t kBlock = 64;
+#pragma omp parallel for schedule(static)
+      for (int64_t i0 = 0; i0 < b_.n; i0 += kBlock) {
+        const int64_t i1 = std::min(i0 + kBlock, b_.n);
+        for (int64_t c = 0; c < b_.k; ++c)
+          for (int64_t i = i0; i < i1; ++i) cols_[c * b_.n + i] = row(i)[c];
+      }
+    }
+    return cols_.empty() ? nullptr : cols_.data() + j * b_.n;
+  }
+
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
-    Lap lap(g_prof.t_bid); ++g_prof.bidall;
     bool bad = false;
-#pragma omp parallel for schedule(static) reduction(|| : bad)
+    int64_t inexact = 0;  // points left above their exact best (within eps of it)
+#pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
     for (int64_t i = 0; i < b_.n; ++i) {
-      double bc;
-      const int64_t best = best_cluster(row(i), p_.data(), b_.k, -1, &bc);
+      double sc;
+      if (only_violators && second_.get(i, obj_[i], &sc)) {
+        // The cheapest other cluster is known exactly: no scan unless the point moves.
+        const double own = own_[i] + p_[obj_[i]];  // own_[i] is row(i)[obj_[i]]
+        if (!(own > sc + eps_)) {
+          inexact += own > sc;
+          continue;
+        }
+      }
+      const Two t = cheapest_two(i);
+      const int64_t best = t.best;
+      const double bc = t.bc;
       if (best < 0) {
         bad = true;
         continue;
       }
-      if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) obj_[i] = static_cast<int32_t>(best);
+      if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) {
+        obj_[i] = static_cast<int32_t>(best);
+        own_[i] = row(i)[best];
+      } else {
+        inexact += row(i)[obj_[i]] + p_[obj_[i]] > bc;
+      }
+      second_.put(i, obj_[i], t);
     }
     check_bids(bad, "floor_auction");
-    counts_ = global_counts(b_, obj_, b_.k);
+    counts_ = count_objects(obj_, b_.n, b_.k);
+    counts_.push_back(inexact);  // summed over the ranks with the counts: one collective
+    b_.comm.sum(counts_);
+    exact_ = counts_.back() == 0;
+    counts_.pop_back();
   }
 
   // Phase start: the first phase from the exact argmin, later ones move only the points that violate the
@@ -296,18 +510,18 @@ class FloorAuction {
   // cluster left below its cap with a positive price then lowers its price just enough to pull in its
   // deficit (reverse steps); a price that would go below 0 stops at 0, where being under-full is allowed.
   // Zeroing the price outright instead would throw away what earlier phases learnt.
-  int64_t pulls_phase_ = 0;
   void start(bool first) {
-    pulls_phase_ = 0;
     bid_all(!first);
+    idle_ = exact_;
     if (slack_ <= 0) return;
     for (int64_t pass = 0;; ++pass) {
       bool changed = false;
       for (int64_t j = 0; j < b_.k; ++j) {
         if (counts_[j] >= hi_[j] || p_[j] <= 0.0) continue;
         changed = true;
+        idle_ = false;
         if (pass >= 4 * b_.k) {  // safety net: plain zeroing always terminates
-          p_[j] = 0.0;
+          set_price(j, 0.0);
           continue;
         }
         pull(j);
@@ -320,24 +534,19 @@ class FloorAuction {
   // Reverse step of the under-full cluster j: the points with the smallest extra cost (gap) come, and
   // every other point stays within eps of its best.
   void pull(int64_t j) {
-    Lap lap(g_prof.t_pull); ++g_prof.pulls; ++pulls_phase_;
     const int64_t r = hi_[j] - counts_[j];
     const double pj = p_[j];
-    double t0 = now();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < b_.n; ++i) {
-      const int64_t o = obj_[i];
-      gap_[i] = o == j ? kInf : (row(i)[j] + pj) - (row(i)[o] + p_[o]);
-    }
-    double t1 = now(); g_prof.t_pull_gap += t1 - t0;
+    const double* col = column(j);
     members_.resize(1);
     std::vector<int64_t>& cand = members_[0];
-    cand.clear();
-    for (int64_t i = 0; i < b_.n; ++i)
-      if (obj_[i] != j) cand.push_back(i);
-    double t2 = now(); g_prof.t_pull_cand += t2 - t1;
+    // Only this rank's r smallest gaps can be among the r smallest of all ranks.
+    smallest_candidates(b_.n, r, gap_.data(), [&](int64_t i, double* v) {
+      const int64_t o = obj_[i];
+      if (o == j) return false;
+      *v = ((col ? col[i] : row(i)[j]) + pj) - (own_[i] + p_[o]);
+      return true;
+    }, cand);
     const Threshold th = select_smallest(b_, gap_.data(), members_, {r});
-    g_prof.t_pull_sel += now() - t2;
     int64_t pulled = th.count[0];
     const double drop = th.val[0] + eps_;
     if (drop >= pj) {
@@ -354,6 +563,12 @@ class FloorAuction {
     for (int64_t e = 0; e < pulled; ++e) {
       ++left[obj_[cand[e]]];
       obj_[cand[e]] = static_cast<int32_t>(j);
+      own_[cand[e]] = row(cand[e])[j];
+    }
+    if (col) {
+      second_.lowered(j, pj, p_[j], col);
+    } else {
+      second_.price(j, pj, p_[j]);
     }
     b_.comm.sum(left);
     for (int64_t o = 0; o < b_.k; ++o) {
@@ -375,31 +590,23 @@ class FloorAuction {
     if (over.empty()) return false;
     if (++rounds_ > ap_.max_rounds) throw std::runtime_error("floor_auction: no termination (internal error)");
     const int64_t nover = static_cast<int64_t>(over.size());
-    double t0 = now();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < b_.n; ++i) {
+    group_rows(b_.n, nover, [&](int64_t i) {
       const int64_t j = obj_[i];
-      if (slot[j] < 0) continue;
+      if (slot[j] < 0) return int64_t{-1};
       double sc;
-      best_cluster(row(i), p_.data(), b_.k, j, &sc);
-      regret_[i] = sc - (row(i)[j] + p_[j]);
-    }
-    double t1 = now(); g_prof.t_regret += t1 - t0;
-    members_.resize(nover);
-    for (auto& m : members_) m.clear();
-    for (int64_t i = 0; i < b_.n; ++i) {
-      const int64_t s = slot[obj_[i]];
-      if (s >= 0) members_[s].push_back(i);
-    }
-    for (auto& m : members_) g_prof.scanned += m.size();
-    double t2 = now(); g_prof.t_members += t2 - t1;
+      if (!second_.get(i, j, &sc)) {
+        const int64_t arg = best_cluster(row(i), p_.data(), b_.k, j, &sc);
+        second_.put(i, j, arg, sc);
+      }
+      regret_[i] = sc - (own_[i] + p_[j]);  // own_[i] is row(i)[j]: one read fewer of a scattered row
+      return slot[j];
+    }, members_);
     std::vector<int64_t> excess(nover);
     for (int64_t s = 0; s < nover; ++s) excess[s] = counts_[over[s]] - hi_[over[s]];
     const Threshold th = select_smallest(b_, regret_.data(), members_, excess);
-    g_prof.t_select += now() - t2;
     std::vector<int64_t> moved;
     for (int64_t s = 0; s < nover; ++s) {
-      p_[over[s]] = p_[over[s]] + th.val[s] + eps_;
+      set_price(over[s], p_[over[s]] + th.val[s] + eps_);
       if (!std::isfinite(p_[over[s]])) throw std::runtime_error("floor_auction: infinite price (internal error)");
       counts_[over[s]] = hi_[over[s]];
       moved.insert(moved.end(), members_[s].begin(), members_[s].begin() + th.count[s]);
@@ -410,15 +617,15 @@ class FloorAuction {
 
   // Evicted points re-bid at the new prices, so no point sits more than eps from its best.
   void rebid(const std::vector<int64_t>& moved) {
-    Lap lap(g_prof.t_rebid); g_prof.moved += moved.size();
     const int64_t nm = static_cast<int64_t>(moved.size());
     bool bad = false;
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
-      double bc;
-      const int64_t best = best_cluster(row(moved[e]), p_.data(), b_.k, -1, &bc);
-      bad = bad || best < 0;
-      obj_[moved[e]] = static_cast<int32_t>(best < 0 ? 0 : best);
+      const Two t = cheapest_two(moved[e]);
+      bad = bad || t.best < 0;
+      obj_[moved[e]] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
+      own_[moved[e]] = row(moved[e])[obj_[moved[e]]];
+      second_.put(moved[e], obj_[moved[e]], t);
     }
     check_bids(bad, "floor_auction");
     std::vector<int64_t> came(b_.k, 0);
@@ -440,7 +647,8 @@ class DummyAuction {
  public:
   DummyAuction(const Block& b, const int64_t* lo, const int64_t* hi, std::vector<double>& prices,
                const AuctionParams& ap)
-      : b_(b), ob_(lo, hi, b.k), m_(ob_.size()), p_(prices), ap_(ap), obj_(b.n), regret_(b.n) {
+      : b_(b), ob_(lo, hi, b.k), m_(ob_.size()), p_(prices), ap_(ap), obj_(b.n), own_(b.n), regret_(b.n),
+        second_(b.n, m_) {
     const bool warm = static_cast<int64_t>(p_.size()) == m_;
     if (!warm) p_.assign(m_, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -449,10 +657,11 @@ class DummyAuction {
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b.n; ++i) {
-      double bc;
-      const int64_t best = best_of(i, -1, &bc);
-      bad = bad || best < 0;
-      obj_[i] = static_cast<int32_t>(best < 0 ? 0 : best);
+      const Two t = cheapest_two(i);
+      bad = bad || t.best < 0;
+      obj_[i] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
+      set_own(i);
+      second_.put(i, obj_[i], t);
     }
     check_bids(bad, "auction_assign");
     real_ = global_counts(b, obj_.data(), m_);
@@ -460,13 +669,13 @@ class DummyAuction {
     for (int64_t j = 0; j < b.k; ++j) n_dummy += hi[j];
     dummies_ = auction::place_dummies(p_, ob_, real_, n_dummy);
     lb_.assign(m_, -kInf);
+    exact_ = dummies_exact();
   }
 
   int64_t run(int64_t* labels) {
     for (;;) {
-      ++g_prof.phases; g_prof.rounds_per_phase.push_back(0); g_prof.pulls_per_phase.push_back(0);
+      if (settled()) break;
       while (round()) {
-        ++g_prof.rounds_per_phase.back(); ++g_prof.rounds;
       }
       if (eps_ <= es_.eps_final) break;
       next_phase();
@@ -490,6 +699,7 @@ class DummyAuction {
   const Block& b_;
   const Objects ob_;
   const int64_t m_;
+  bool exact_ = false;  // after the last phase start: every unit (all ranks) at its exact cheapest object
   std::vector<double>& p_;
   const AuctionParams& ap_;
   EpsSchedule es_{};
@@ -500,10 +710,16 @@ class DummyAuction {
   // lb_[o]: lower bound on the smallest regret among o's real members (all ranks). It lets a round that
   // only evicts dummies skip the O(members * m) regret scan: rising prices elsewhere only raise regrets, a
   // raise of o's own price lowers them all by the same amount, and arrivals report theirs.
-  std::vector<double> lb_, regret_;
+  std::vector<double> own_, lb_, regret_;  // own_[i]: unit i's cost entry D[i, cluster(obj_[i])], kept with obj_
   std::vector<std::vector<int64_t>> members_;
+  SecondCache second_;
 
   double cost(int64_t i, int64_t o) const { return b_.D[i * b_.k + ob_.cluster[o]] + p_[o]; }
+  void set_own(int64_t i) { own_[i] = b_.D[i * b_.k + ob_.cluster[obj_[i]]]; }
+
+  Two cheapest_two(int64_t i) const {
+    return best_two(m_, [&](int64_t o) { return cost(i, o); });
+  }
 
   // Cheapest object for point i other than `exclude`; the lowest index wins ties.
   int64_t best_of(int64_t i, int64_t exclude, double* best_cost) const {
@@ -519,6 +735,24 @@ class DummyAuction {
     }
     *best_cost = bc;
     return best;
+  }
+
+  // Whether every dummy sits in an object priced exactly as the cheapest dummy-capable one.
+  bool dummies_exact() const {
+    const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
+    for (int64_t o = 0; o < m_; ++o)
+      if (dummies_[o] > 0 && p_[o] > p_[cheapest]) return false;
+    return true;
+  }
+
+  // At a phase start: every unit at its exact cheapest object (ties count) and no object over capacity. The
+  // assignment is then optimal for these prices and every later phase would move no unit and run no round:
+  // they are skipped (as FloorAuction::settled). exact_ and the counts are global: every rank agrees.
+  bool settled() const {
+    if (!exact_) return false;
+    for (int64_t o = 0; o < m_; ++o)
+      if (real_[o] + dummies_[o] > ob_.cap[o]) return false;
+    return true;
   }
 
   std::vector<Over> over_objects() {
@@ -545,29 +779,23 @@ class DummyAuction {
     members_.resize(over.size());
     for (auto& m : members_) m.clear();
     if (!any) return;
-    double t0 = now();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < b_.n; ++i) {
+    group_rows(b_.n, static_cast<int64_t>(over.size()), [&](int64_t i) {
       const int64_t o = obj_[i];
-      if (slot[o] < 0) continue;
+      if (slot[o] < 0) return int64_t{-1};
       double sc;
-      best_of(i, o, &sc);
-      regret_[i] = sc - cost(i, o);
-    }
-    double t1 = now(); g_prof.t_regret += t1 - t0;
-    for (int64_t i = 0; i < b_.n; ++i) {
-      const int64_t s = slot[obj_[i]];
-      if (s >= 0) members_[s].push_back(i);
-    }
-    for (auto& m : members_) g_prof.scanned += m.size();
-    g_prof.t_members += now() - t1;
+      if (!second_.get(i, o, &sc)) {
+        const int64_t arg = best_of(i, o, &sc);
+        second_.put(i, o, arg, sc);
+      }
+      regret_[i] = sc - (own_[i] + p_[o]);  // cost(i, o) without reading the scattered row
+      return slot[o];
+    }, members_);
   }
 
   // How many real units and dummies leave each object, and the last one's regret. The units leave in
   // the order of the reference: reals with regret < rho, then the dummies (first on equal regret), then
   // the other reals, each group by (regret, row).
   void split_evictions(std::vector<Over>& over) {
-    Lap lap(g_prof.t_select);
     const int64_t nover = static_cast<int64_t>(over.size());
     std::vector<int64_t> below(nover, 0);
     bool need = false;
@@ -615,6 +843,7 @@ class DummyAuction {
       const double delta = v.last + eps_;
       const double price = p_[v.o] + delta;
       if (!std::isfinite(price)) throw std::runtime_error("auction_assign: infinite price (internal error)");
+      second_.price(v.o, p_[v.o], price);
       p_[v.o] = price;
       lb[v.o] = (v.scan ? v.rest : lb_[v.o]) - delta;
       real_[v.o] -= v.n_real;
@@ -630,19 +859,18 @@ class DummyAuction {
   // Evicted units re-bid at the new prices, so no unit ever sits more than eps from its best; arrivals
   // lower the bound of their new object to their regret. lb: the bounds before the arrivals.
   void rebid(const std::vector<int64_t>& moved, std::vector<double>& lb) {
-    Lap lap(g_prof.t_rebid); g_prof.moved += moved.size();
     const int64_t nm = static_cast<int64_t>(moved.size());
     std::vector<double> arrival(nm);
     bool bad = false;
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t i = moved[e];
-      double bc, sc;
-      const int64_t best = best_of(i, -1, &bc);
-      best_of(i, best, &sc);
-      bad = bad || best < 0;
-      obj_[i] = static_cast<int32_t>(best < 0 ? 0 : best);
-      arrival[e] = sc - bc;
+      const Two t = cheapest_two(i);
+      bad = bad || t.best < 0;
+      obj_[i] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
+      set_own(i);
+      arrival[e] = t.sc - t.bc;
+      second_.put(i, obj_[i], t);
     }
     check_bids(bad, "auction_assign");
     std::vector<int64_t> came(m_, 0);
@@ -663,21 +891,31 @@ class DummyAuction {
 
   // Next phase: shrink eps and move every unit that violates it to its cheapest object.
   void next_phase() {
-    Lap lap(g_prof.t_bid); ++g_prof.bidall;
     eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
     bool bad = false;
-#pragma omp parallel for schedule(static) reduction(|| : bad)
+    int64_t inexact = 0;  // units left above their exact best (within eps of it)
+#pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
     for (int64_t i = 0; i < b_.n; ++i) {
-      double bc;
-      const int64_t best = best_of(i, -1, &bc);
-      if (best < 0) {
+      const Two t = cheapest_two(i);
+      if (t.best < 0) {
         bad = true;
         continue;
       }
-      if (cost(i, obj_[i]) > bc + eps_) obj_[i] = static_cast<int32_t>(best);
+      const double own = cost(i, obj_[i]);
+      if (own > t.bc + eps_) {
+        obj_[i] = static_cast<int32_t>(t.best);
+        set_own(i);
+      } else {
+        inexact += own > t.bc;
+      }
+      second_.put(i, obj_[i], t);
     }
     check_bids(bad, "auction_assign");
-    real_ = global_counts(b_, obj_.data(), m_);
+    real_ = count_objects(obj_.data(), b_.n, m_);
+    real_.push_back(inexact);  // summed over the ranks with the counts: one collective
+    b_.comm.sum(real_);
+    exact_ = real_.back() == 0;
+    real_.pop_back();
     std::fill(lb_.begin(), lb_.end(), -kInf);
     const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
     for (int64_t o = 0; o < m_; ++o) {
@@ -686,6 +924,7 @@ class DummyAuction {
         dummies_[o] = 0;
       }
     }
+    exact_ = exact_ && dummies_exact();
   }
 };
 
@@ -713,19 +952,6 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
                        AuctionState& state, int64_t* labels, const AuctionParams& ap, Collective& comm,
                        const RowBlock& rows) {
   const Block b{D, n, k, comm, rows.offset, rows.n_total};
-  struct Dump {
-    double t0 = now();
-    ~Dump() {
-      Prof& p = g_prof;
-      p.t_total += now() - t0; ++p.calls;
-      if (!std::getenv("CK_AUCTION_PROFILE")) { p = Prof(); return; }
-      std::fprintf(stderr, "AUCPROF phases=%lld rounds=%lld pulls=%lld bidall=%lld moved=%lld scanned=%lld total=%.4f bid=%.4f pull=%.4f(gap=%.4f cand=%.4f sel=%.4f) regret=%.4f members=%.4f select=%.4f rebid=%.4f rpp=",
-        (long long)p.phases, (long long)p.rounds, (long long)p.pulls, (long long)p.bidall, (long long)p.moved, (long long)p.scanned, p.t_total, p.t_bid, p.t_pull, p.t_pull_gap, p.t_pull_cand, p.t_pull_sel, p.t_regret, p.t_members, p.t_select, p.t_rebid);
-      for (size_t i = 0; i < p.rounds_per_phase.size(); ++i) std::fprintf(stderr, "%lld/%lld,", (long long)p.rounds_per_phase[i], (long long)p.pulls_per_phase[i]);
-      std::fprintf(stderr, "\n");
-      p = Prof();
-    }
-  } dump_;
   if (ap.force_general) {
     state.used_general = true;
     return DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);

@@ -1,0 +1,134 @@
+"""The native auction's shortcuts (issue 22) take the decisions of the full eps schedule.
+
+csrc/cpu/auction.cpp stops an auction once every point sits at its exact argmin with nothing over capacity
+(the later eps phases would move nothing), keeps each point's second-cheapest cost between rounds while the
+prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection,
+and builds member lists in parallel. None of that may change a label, a price or a round count: these tests
+run warm-started sequences of assignments (as Lloyd iterations do, where the shortcuts matter most) and compare
+every step with the float64 reference, which runs every phase, across thread counts and across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_distributed import ThreadComm, run_threads
+
+import cluster_kernels._collectives as coll
+from cluster_kernels import _backend
+from cluster_kernels.kmeans import assign_ref
+
+C = _backend.native()
+pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")
+
+
+def _lloyd_like_costs(seed: int, n: int, k: int, steps: int, ties: bool) -> list[np.ndarray]:
+    """Squared distances of a Gaussian mixture (Dirichlet sizes) to centroids that drift a little per step.
+
+    With ties, costs are rounded to a coarse grid so that many gaps, regrets and argmins are equal.
+    """
+    rng = np.random.default_rng(seed)
+    comp = rng.choice(k, size=n, p=rng.dirichlet(np.full(k, 0.7)))
+    x = rng.standard_normal((n, 3)) + 2.0 * rng.standard_normal((k, 3))[comp]
+    c = x[rng.choice(n, k, replace=False)]
+    out = []
+    for _ in range(steps):
+        d = ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+        out.append(np.round(d * 2.0) / 2.0 if ties else d)
+        c = c + 0.05 * rng.standard_normal(c.shape)
+    return out
+
+
+def _bounds(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    if kind == "cap":
+        return np.zeros(k, np.int64), np.full(k, math.ceil(1.5 * n / k), np.int64)
+    if kind == "exact":
+        return np.full(k, n // k, np.int64), np.full(k, math.ceil(n / k), np.int64)
+    rng = np.random.default_rng(seed)  # "both": random lower and upper bounds
+    hi = rng.integers(math.ceil(n / k), math.ceil(1.4 * n / k) + 1, size=k)
+    hi[0] += max(0, n - int(hi.sum()))
+    lo = np.minimum(rng.integers(0, n // k + 1, size=k), hi)
+    return lo.astype(np.int64), hi.astype(np.int64)
+
+
+def _native_step(cost, lo, hi, prices, n_threads=0, comm=None, offset=0, n_total=None):
+    comm = coll.AuctionComm(comm if comm is not None else coll.Comm(None))
+    return C.auction_block(cost, lo, hi, comm, offset, len(cost) if n_total is None else n_total, prices[0],
+                           prices[1], n_threads)
+
+
+CASES = [(seed, kind, ties) for seed, kind in enumerate(["cap", "exact", "both", "cap", "exact", "both"])
+         for ties in (False, True)]
+
+
+@pytest.mark.parametrize("seed,kind,ties", CASES)
+def test_warm_started_sequences_match_the_full_schedule(seed, kind, ties):
+    n, k = 500 + 37 * seed, 6 + seed % 3
+    lo, hi = _bounds(kind, n, k, seed)
+    state: dict = {}
+    prices = (None, None)
+    for step, cost in enumerate(_lloyd_like_costs(seed, n, k, 4, ties)):
+        ref, state, ref_rounds = assign_ref(torch.from_numpy(cost), lo, hi, state)
+        got = _native_step(cost, lo, hi, prices)
+        if ties and got["used_general"]:
+            # With tied costs the general auction's optimum is not unique, and the reference's float64 torch
+            # sums pick another optimal assignment (before these shortcuts too): compare the objective.
+            rows = np.arange(n)
+            assert cost[rows, got["labels"]].sum() == pytest.approx(cost[rows, ref.numpy()].sum(), rel=1e-12)
+        else:
+            np.testing.assert_array_equal(got["labels"], ref.numpy(), err_msg=f"step {step}")
+        if not got["used_general"]:  # the reference counts the general auction's rounds its own way
+            assert got["rounds"] == ref_rounds, f"step {step}"
+        sizes = np.bincount(got["labels"], minlength=k)
+        assert (sizes >= lo).all() and (sizes <= hi).all()
+        prices = (got["floor_prices"], got["general_prices"])
+
+
+@pytest.mark.parametrize("kind", ["cap", "exact"])
+def test_labels_and_prices_do_not_depend_on_the_thread_count(kind):
+    n, k = 3000, 12
+    lo, hi = _bounds(kind, n, k, 0)
+    runs = {}
+    for threads in (1, 2, 3):
+        prices, seq = (None, None), []
+        for cost in _lloyd_like_costs(7, n, k, 3, ties=False):
+            got = _native_step(cost, lo, hi, prices, n_threads=threads)
+            prices = (got["floor_prices"], got["general_prices"])
+            seq.append((got["labels"], got["rounds"], *prices))
+        runs[threads] = seq
+    for threads in (2, 3):
+        for (a, ra, fa, ga), (b, rb, fb, gb) in zip(runs[1], runs[threads], strict=True):
+            np.testing.assert_array_equal(a, b)
+            assert ra == rb
+            np.testing.assert_array_equal(fa, fb)
+            np.testing.assert_array_equal(ga, gb)
+
+
+@pytest.mark.parametrize("kind,ties", [("cap", False), ("exact", True), ("both", False)])
+def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
+    # Ranks are threads (test_distributed.ThreadComm); the early exit is a global decision, so every rank
+    # must stop in the same phase, and the rows a rank caches must not change what the others see.
+    n, k = 700, 7
+    lo, hi = _bounds(kind, n, k, 3)
+    cut = [0, 250, 250, n]  # three ranks, one of them without rows
+    one_prices = (None, None)
+    rank_prices = [(None, None)] * 3
+    for cost in _lloyd_like_costs(11, n, k, 4, ties):
+        one = _native_step(cost, lo, hi, one_prices)
+        one_prices = (one["floor_prices"], one["general_prices"])
+
+        def rank_fn(r: int, comm: ThreadComm, cost=cost):
+            s, e = cut[r], cut[r + 1]
+            return _native_step(np.ascontiguousarray(cost[s:e]), lo, hi, rank_prices[r], comm=comm, offset=s,
+                                n_total=n)
+
+        parts = run_threads(3, rank_fn)
+        np.testing.assert_array_equal(np.concatenate([p["labels"] for p in parts]), one["labels"])
+        for r, p in enumerate(parts):
+            assert p["rounds"] == one["rounds"] and p["used_general"] == one["used_general"]
+            np.testing.assert_array_equal(p["floor_prices"], one["floor_prices"])
+            np.testing.assert_array_equal(p["general_prices"], one["general_prices"])
+            rank_prices[r] = (p["floor_prices"], p["general_prices"])
