@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--lora-note", default="", help="a note printed under the LoRA table (e.g. how it was run)")
+    p.add_argument("--note", action="append", default=[], help="a note printed under the main table (repeatable)")
     p.add_argument("--report-only", action="store_true",
                    help="write --out from the units finished so far in --work (runs nothing; a partial run's report)")
     return p
@@ -185,8 +186,15 @@ def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
     def pm(r: dict[str, Any], f: str, digits: int) -> str:
         return f"{r[f]:.{digits}f} ± {r[f + '_std']:.{digits}f}" if r["seeds"] > 1 else f"{r[f]:.{digits}f}"
 
+    def vs(r: dict[str, Any], ref: str) -> str:  # the difference with its 95 % interval (compare's bootstrap)
+        d, ci = r.get(f"delta_vs_{ref}"), r.get(f"ci95_vs_{ref}")
+        if d is None:
+            return "–"
+        return f"{d:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else f"{d:+.4f}"
+
     return [[m, round(r["fraction"], 4), f"{r['tokens']:,.0f}", pm(r, "selection_s", 2), pm(r, "train_s", 1),
-             pm(r, "total_s", 1), pm(r, "eval_loss", 4), r["seeds"]] for m, r in summary.items()]
+             pm(r, "total_s", 1), pm(r, "eval_loss", 4), vs(r, "random"), vs(r, "full"), r["seeds"]]
+            for m, r in summary.items()]
 
 
 def _notes(summary: dict[str, dict[str, Any]], epochs: int) -> list[str]:
@@ -222,7 +230,8 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
     all_methods = [m for m in ALL if m in seen] + [m for m in seen if m not in ALL]
     summary = summarize(list(records.values()), all_methods)
     lora_summary = summarize(list(lora_records.values()), [m for m in LORA if any(k[0] == m for k in lora_records)])
-    cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss", "seeds"]
+    cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss",
+            "vs random [95 % CI]", "vs full [95 % CI]", "seeds"]
     initial = next((r["initial_eval_loss"] for r in records.values() if r.get("initial_eval_loss") is not None), None)
     sections = [
         {
@@ -252,7 +261,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
             "notes": [],
         },
         {"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols, "rows": _rows(summary),
-         "notes": _notes(summary, args.epochs) + window_decision(records)},
+         "notes": list(args.note) + _notes(summary, args.epochs) + window_decision(records)},
     ]
     if lora_summary:
         sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,

@@ -74,7 +74,7 @@ __all__ = [
 LAYER_PRESETS = ("paper", "lm_head", "all-linear", "lora")
 # One default for every caller (select, the CLI, the featurizer used directly):
 DEFAULT_DIM = (32, 32)  # projected feature size k_o x k_i
-DEFAULT_FEATURE_TOKENS = 64  # the default preset's feature window (benchmarks/bench_compare.py measures it)
+DEFAULT_FEATURE_TOKENS = 64  # the default feature window: settled by `make bench-real` (README, BENCHMARKS.md)
 DEFAULT_SHARD_SIZE = 1024  # examples per window / store shard (batches never cross one)
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per featurization forward
 
