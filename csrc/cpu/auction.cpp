@@ -30,9 +30,9 @@ using auction::Objects;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 // Largest cost block (entries) of which the floor auction keeps a column-major copy for its reverse steps
-// (2^25 entries: 256 MiB, e.g. n = 524 288 at k = 64); above it they read the rows, so at n = 10^6, k = 64 the
-// auction holds no second n x k float64 array. Results are the same either way.
-constexpr int64_t kMaxColumnCopy = int64_t{1} << 25;
+// (2^24 entries: 128 MiB, e.g. n = 262 144 at k = 64); above it they read the rows, so a distributed rank of
+// n = 500 000 rows and one process of 10^6 hold no second n x k float64 array. Results are the same either way.
+constexpr int64_t kMaxColumnCopy = int64_t{1} << 24;
 
 // Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
 // checked (eps_schedule), so an internal error rather than a memory error.
