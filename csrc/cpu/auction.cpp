@@ -155,16 +155,17 @@ std::vector<int64_t> global_counts(const Block& b, const int32_t* obj, int64_t m
   return counts;
 }
 
-// Cheapest cluster for a cost row Di other than `exclude` (the lowest index wins ties).
-inline int64_t best_cluster(const double* Di, const double* prices, int64_t k, int64_t exclude, double* best_cost) {
+// The cheapest option other than `exclude` among cost(o), o in [0, m) (the lowest index wins ties); -1 if none.
+template <class Cost>
+inline int64_t cheapest_except(int64_t m, int64_t exclude, Cost cost, double* best_cost) {
   int64_t best = -1;
   double bc = kInf;
-  for (int64_t j = 0; j < k; ++j) {
-    if (j == exclude) continue;
-    const double c = Di[j] + prices[j];
+  for (int64_t o = 0; o < m; ++o) {
+    if (o == exclude) continue;
+    const double c = cost(o);
     if (c < bc) {
       bc = c;
-      best = j;
+      best = o;
     }
   }
   *best_cost = bc;
@@ -595,7 +596,8 @@ class FloorAuction {
       if (slot[j] < 0) return int64_t{-1};
       double sc;
       if (!second_.get(i, j, &sc)) {
-        const int64_t arg = best_cluster(row(i), p_.data(), b_.k, j, &sc);
+        const double* Di = row(i);
+        const int64_t arg = cheapest_except(b_.k, j, [&](int64_t c) { return Di[c] + p_[c]; }, &sc);
         second_.put(i, j, arg, sc);
       }
       regret_[i] = sc - (own_[i] + p_[j]);  // own_[i] is row(i)[j]: one read fewer of a scattered row
@@ -721,21 +723,6 @@ class DummyAuction {
     return best_two(m_, [&](int64_t o) { return cost(i, o); });
   }
 
-  // Cheapest object for point i other than `exclude`; the lowest index wins ties.
-  int64_t best_of(int64_t i, int64_t exclude, double* best_cost) const {
-    int64_t best = -1;
-    double bc = kInf;
-    for (int64_t o = 0; o < m_; ++o) {
-      if (o == exclude) continue;
-      const double c = cost(i, o);
-      if (c < bc) {
-        bc = c;
-        best = o;
-      }
-    }
-    *best_cost = bc;
-    return best;
-  }
 
   // Whether every dummy sits in an object priced exactly as the cheapest dummy-capable one.
   bool dummies_exact() const {
@@ -784,7 +771,7 @@ class DummyAuction {
       if (slot[o] < 0) return int64_t{-1};
       double sc;
       if (!second_.get(i, o, &sc)) {
-        const int64_t arg = best_of(i, o, &sc);
+        const int64_t arg = cheapest_except(m_, o, [&](int64_t q) { return cost(i, q); }, &sc);
         second_.put(i, o, arg, sc);
       }
       regret_[i] = sc - (own_[i] + p_[o]);  // cost(i, o) without reading the scattered row

@@ -692,26 +692,31 @@ def summarize(records: list[dict[str, Any]], methods: list[str],
         for ref in ("random", "full"):
             if by_method.get(ref):
                 row.update(_vs_reference(by_method[m], by_method[ref], ref))
-        if eval_sets:
-            row["eval_sets"] = {name: _set_summary(by_method, m, name, eval_sets[0]) for name in eval_sets}
+        if eval_sets:  # the primary set's differences are the row's own: not bootstrapped twice
+            vs_primary = {k: v for k, v in row.items() if "_vs_" in k}
+            row["eval_sets"] = {name: _set_summary(by_method, m, name, eval_sets[0],
+                                                   vs_primary if name == eval_sets[0] else None)
+                                for name in eval_sets}
     return out
 
 
-def _set_summary(by_method: dict[str, list[dict[str, Any]]], m: str, name: str, primary: str) -> dict[str, Any]:
+def _set_summary(by_method: dict[str, list[dict[str, Any]]], m: str, name: str, primary: str,
+                 known_vs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Method ``m`` on evaluation set ``name``: held-out loss (mean, std over seeds) with its 95 % interval
     (:func:`clusterlm.stats.bootstrap_loss`), the loss before training, the examples evaluated, and the difference to
-    random and to full data on that set with its interval (:func:`_vs_reference`)."""
+    random and to full data on that set with its interval (:func:`_vs_reference`; ``known_vs``: those already
+    computed, for the primary set)."""
     rs = on_set(by_method[m], name, primary)
     if not rs:
         return {"loss": None, "ci95": None}
     loss, std = _mean_std([r["eval_loss"] for r in rs])
-    ci95 = None
-    if all(r["eval_loss"] is not None and math.isfinite(r["eval_loss"]) for r in rs):
-        sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in rs}
-        ci95 = list(bootstrap_loss(*_loss_arrays(rs, 0 not in sizes and len(sizes) == 1), n_boot=N_BOOT)[1:])
+    interval = _loss_interval(rs)
+    ci95 = None if interval is None else list(interval[1:])
     before = next((r["initial_eval_loss"] for rr in by_method.values() for r in on_set(rr, name, primary)
                    if r.get("initial_eval_loss") is not None), None)
     row = {"loss": loss, "loss_std": std, "ci95": ci95, "initial_loss": before, "n_eval": rs[0].get("n_eval")}
+    if known_vs is not None:
+        return row | known_vs
     for ref in ("random", "full"):
         ref_rs = on_set(by_method.get(ref) or [], name, primary)
         if ref_rs:
@@ -772,6 +777,15 @@ def _vs_reference(rs: list[dict[str, Any]], ref: list[dict[str, Any]], name: str
             f"seed_sd_vs_{name}": None if math.isnan(d.seed_var) else math.sqrt(d.seed_var)}
 
 
+def _loss_interval(rs: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """The held-out loss of runs ``rs`` (mean over seeds) with its 95 % interval (:func:`bootstrap_loss`: seeds, then
+    evaluation examples when every run has the same per-example losses); None when a run has no finite loss."""
+    if any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in rs):
+        return None
+    sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in rs}
+    return bootstrap_loss(*_loss_arrays(rs, 0 not in sizes and len(sizes) == 1), n_boot=N_BOOT)
+
+
 def frontier(records: list[dict[str, Any]], methods: list[str], ratios: list[float]) -> list[dict[str, Any]]:
     """Cost and quality of every (ratio, method): tokens trained, selection / training / total seconds and held-out
     loss (means over seeds) with the loss's 95 % interval (seeds, then evaluation examples); full data at ratio 1."""
@@ -780,10 +794,10 @@ def frontier(records: list[dict[str, Any]], methods: list[str], ratios: list[flo
     out = []
     for ratio, m in points:
         rs = [r for r in records if r["method"] == m and (m == "full" or r["ratio"] == ratio)]
-        if not rs or any(r["eval_loss"] is None or not math.isfinite(r["eval_loss"]) for r in rs):
+        interval = _loss_interval(rs) if rs else None
+        if interval is None:
             continue
-        sizes = {len(r["eval_examples"]["tokens"]) if r.get("eval_examples") else 0 for r in rs}
-        loss, low, high = bootstrap_loss(*_loss_arrays(rs, 0 not in sizes and len(sizes) == 1), n_boot=N_BOOT)
+        loss, low, high = interval
         row = {"ratio": ratio, "method": m, "seeds": len(rs)}
         row.update({f: float(np.mean([r[f] for r in rs])) for f in ("tokens", "selection_s", "train_s", "total_s")})
         out.append({**row, "eval_loss": loss, "ci95": [low, high]})

@@ -191,9 +191,6 @@ def _open_store(store_dir: str | os.PathLike | FeatureStore, shard_size: int | N
     return FeatureStore(store_dir, shard_size=shard_size)
 
 
-
-
-
 @dataclass
 class DistributedClustering:
     """The capacity K-means of a sharded selection, as :func:`clusterlm.select.select_from_features` calls it.

@@ -553,7 +553,9 @@ class GradientFeaturizer:
 
     # ---- one batch ----------------------------------------------------------------------------------
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """Where the features are computed: the model's device (the CPU for a model without parameters)."""
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
@@ -572,7 +574,7 @@ class GradientFeaturizer:
         """
         batch = [self._check_example(ex, i) for i, ex in enumerate(examples)]
         if not batch:
-            return torch.zeros(0, self.feature_dim, dtype=torch.float32, device=self._device())
+            return torch.zeros(0, self.feature_dim, dtype=torch.float32, device=self.device)
         with self._extraction_state():
             return self._run_batch(batch)
 
@@ -618,7 +620,7 @@ class GradientFeaturizer:
                 "GradientFeaturizer: the model has no get_input_embeddings(); the backward pass needs it "
                 "to start gradients at the embeddings."
             )
-        device = self._device()
+        device = self.device
         batch_t = pack_batch(batch, device)
         n_ex, max_len = batch_t.input_ids.shape
         feats = torch.zeros(n_ex, self.k_o, self.k_i, dtype=torch.float32, device=device)

@@ -204,7 +204,7 @@ def _select(job: SelectJob, info: DistInfo | None) -> Plan:
     plan = select_from_features(
         feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
         timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn, resolved=s,
-        device=getattr(model, "device", None),  # the K-means runs on the model's GPU when it can (kmeans_device)
+        device=featurizer.device,  # the K-means runs on the model's GPU when it can (select.kmeans_device)
         extra_config={"features": featurizer_record(featurizer, s), **extra, "data": _data_record(job, data)},
     )
     if main_rank:

@@ -181,11 +181,9 @@ def kmeans_device(device: Any, kmeans_backend: str = "auto") -> torch.device | N
     the GPU). ``"cpu"`` / ``"torch"`` keep the host. An explicit ``"cuda"`` without a CUDA ``device`` asks the
     dispatcher as given (its error says what is missing).
     """
-    if device is None or torch.device(device).type != "cuda" or kmeans_backend in ("cpu", "torch"):
-        return None
-    if kmeans_backend == "auto" and not has_cuda_kmeans():
-        return None
-    return torch.device(device)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    wanted = kmeans_backend == "cuda" or (kmeans_backend == "auto" and has_cuda_kmeans())
+    return torch.device(device) if on_gpu and wanted else None
 
 
 def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -446,14 +444,9 @@ def select(
     plan = select_from_features(
         feats, config, lengths=lengths_of(dataset), fingerprint=fingerprint(dataset),
         model_id=model_id or compute_model_id(model), timings=timings,
-        extra_config={"features": featurizer_record(featurizer, s)}, resolved=s, device=_model_device(model),
+        extra_config={"features": featurizer_record(featurizer, s)}, resolved=s, device=featurizer.device,
     )
     return (plan, np.asarray(feats)) if return_features else plan
-
-
-def _model_device(model: Any) -> torch.device | None:
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return None if param is None else param.device
 
 
 if __name__ == "__main__":  # the old distributed entry point: say what replaced it

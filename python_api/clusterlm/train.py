@@ -183,8 +183,7 @@ __all__ = [
     "CKPT_DIR", "CURVE", "LATEST", "LAUNCHER_OPTIONS", "METRICS", "SUMMARY", "Run", "State", "build_model",
     "check_checkpoint_kind", "check_fsdp", "check_inputs", "check_out_location", "check_unlocked",
     "cpu_has_native_bf16", "launch", "load_plan", "lock_out", "plan_world_size", "setup_distributed", "train",
-    "weights_dtype",
-    "uses_fsdp", "validate_args", "verify_plan", "world_size_error", "INITIAL_EVAL_EXAMPLES",
+    "uses_fsdp", "validate_args", "verify_plan", "weights_dtype", "world_size_error", "INITIAL_EVAL_EXAMPLES",
 ]
 
 CPUINFO = "/proc/cpuinfo"
@@ -520,9 +519,7 @@ def weights_dtype(dtype: str, lora: bool, device: torch.device) -> torch.dtype:
     """The dtype training loads the weights in: ``--dtype`` as given, and for ``"auto"`` float32 when the weights
     themselves train (full fine-tuning) and the frozen LoRA base in :func:`clusterlm.models.resolve_dtype`'s choice
     (bfloat16 on a CUDA device that supports it, else float32)."""
-    if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    return resolve_dtype("auto", device) if lora else torch.float32
+    return resolve_dtype(dtype, device) if dtype != "auto" or lora else torch.float32
 
 
 def build_model(args: Any, di: DistInfo) -> tuple[torch.nn.Module, Any, str]:

@@ -55,7 +55,7 @@ def test_the_featurizer_works_on_the_device_and_dtype_of_the_model(fake):
     model = fake_cuda_model()
     for layers, dim in (("lm_head", (32, 32)), ("all-linear", (16, 16)), ("paper", None)):
         fz = GradientFeaturizer(model, features=layers, dim=dim)
-        assert fz._device() == CUDA
+        assert fz.device == CUDA
         assert all(p.device == CUDA and p.dtype == torch.bfloat16 for p in model.parameters())
     fz = GradientFeaturizer(model, features="all-linear", dim=(16, 16))
     assert len(fz.layer_names) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the lm head
