@@ -9,6 +9,7 @@ DDP test asks; observed: bit for bit). The gradient identity holds to 1e-6 (floa
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
@@ -181,7 +182,11 @@ def _fsdp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
     params = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
     torch.save({"grads": grads, "params": params, "optimizer": type(optimizer).__name__, "eval": evaluation},
                Path(out_dir) / f"fsdp{rank}.pt")
-    del model, optimizer  # release what holds the group before it goes down
+    # Release what holds the group before it goes down (FSDP's hooks form reference cycles: collect them), and let
+    # both ranks finish their last collective first: a peer's group torn down under a running all-gather aborts.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
