@@ -65,6 +65,7 @@ from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable f
     METRICS,
     DataScale,
     bounds,
+    check_finite_columns,
     check_int,
     check_k,
     check_matrix,
@@ -663,11 +664,16 @@ def _prepare(t: torch.Tensor, spherical: bool) -> tuple[torch.Tensor, torch.Tens
 
 def _working_frame(op: str, t: torch.Tensor, other: torch.Tensor | None, spherical: bool,
                    name: str) -> tuple[DataScale, torch.Tensor | None]:
-    """The power-of-two rescaling of ``t`` and the explicit centroids ``other`` in it (``_checks.working_frame``)."""
+    """The power-of-two rescaling of ``t`` and the explicit centroids ``other`` in it (``_checks.working_frame``).
+
+    Also the NaN/Inf check of ``t`` (taken with ``check_matrix(..., finite=False)``), from the same column ranges.
+    """
     if other is not None:
         other = other.to(device=t.device, dtype=torch.float64)
     dtype = np.float32 if t.dtype == torch.float32 else np.float64
-    return working_frame(*column_range(t), t.shape[0], dtype, spherical, op, name, other)
+    col_min, col_max = column_range(t)
+    check_finite_columns(t, col_min, col_max, "x", op)
+    return working_frame(col_min, col_max, t.shape[0], dtype, spherical, op, name, other)
 
 
 def _to_output(like: Any, t: torch.Tensor) -> Any:
@@ -723,7 +729,7 @@ def capacity_kmeans(
         RuntimeError: an explicitly requested backend is not available (the message says how to get it).
     """
     op = "capacity_kmeans"
-    t = check_matrix(x, "x", op)
+    t = check_matrix(x, "x", op, finite=False)  # checked with the column ranges (_working_frame)
     n, d = t.shape
     k = check_k(k, n, op)
     check_metric(metric, op)
@@ -814,7 +820,7 @@ def assign_with_capacity(
         mismatched centroid dimensions.
     """
     op = "assign_with_capacity"
-    t = check_matrix(x, "x", op)
+    t = check_matrix(x, "x", op, finite=False)  # checked with the column ranges (_working_frame)
     c = check_matrix(centroids, "centroids", op)
     n, d = t.shape
     if c.shape[1] != d:

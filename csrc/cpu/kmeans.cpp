@@ -9,11 +9,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -54,6 +61,51 @@ class Stopwatch {
  private:
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
+
+// The allocator of the large work buffers (the prepared copy of x, the cost matrix, the cluster sums):
+// - its value-initialisation is default-initialisation: resize() of a buffer about to be written in full leaves it
+//   unwritten, which saves a zeroing pass (and its pages are first touched by the threads that fill them);
+// - buffers of 4 MiB or more are 2 MiB-aligned and advised as huge pages (Linux): a fresh n x d copy otherwise
+//   costs one page fault, and one kernel zeroing, per 4 KiB, which on virtual machines took as long as a Lloyd
+//   iteration's GEMM at n = 200 000, d = 256.
+template <class T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <class U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  T* allocate(size_t count) {
+    const size_t bytes = count * sizeof(T);
+    constexpr size_t kHuge = size_t{2} << 20;
+    if (bytes < 2 * kHuge) return std::allocator<T>::allocate(count);
+    void* p = nullptr;
+    if (posix_memalign(&p, kHuge, bytes) != 0) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without transparent huge pages nothing changes
+#endif
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t count) {
+    if (count * sizeof(T) < 2 * (size_t{2} << 20)) {
+      std::allocator<T>::deallocate(p, count);
+      return;
+    }
+    free(p);
+  }
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <class T>
+using RawVector = std::vector<T, DefaultInitAllocator<T>>;
 
 // Rows per reduction chunk. It depends on n only, never on the thread count, so every floating
 // point sum is combined in the same order whatever the number of threads.
@@ -249,39 +301,91 @@ void sqdist(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, c
   }
 }
 
+// Per-cluster sums and counts of rows in chunks of chunk_rows(n) rows (a split fixed by n, never by the thread
+// count): chunk c's partial sums are part[(c * k + j) * d + t], its counts count[c * k + j]; each is a
+// sequential sum in row order, and the chunks are added in order (centroids_from_sums), so the centroids do
+// not depend on the number of threads or on whether the sums were taken with the assignment or after it.
+struct ClusterSums {
+  int64_t cs = 0, nc = 0, k = 0, d = 0;
+  RawVector<double> part;  // every chunk is cleared before it is summed
+  std::vector<int64_t> count;
+
+  ClusterSums(int64_t n, int64_t k_, int64_t d_) : cs(chunk_rows(n)), nc((n + cs - 1) / cs), k(k_), d(d_) {
+    part.resize(static_cast<size_t>(nc) * k * d);
+    count.resize(static_cast<size_t>(nc) * k);
+  }
+  double* chunk_sums(int64_t c) { return part.data() + c * k * d; }
+  int64_t* chunk_counts(int64_t c) { return count.data() + c * k; }
+  void clear_chunk(int64_t c) {
+    std::fill(chunk_sums(c), chunk_sums(c) + k * d, 0.0);
+    std::fill(chunk_counts(c), chunk_counts(c) + k, int64_t{0});
+  }
+  // Rows [i0, i1) of chunk c added to its sums, in row order.
+  template <typename T>
+  void add(const T* x, const int64_t* labels, int64_t c, int64_t i0, int64_t i1) {
+    double* acc = chunk_sums(c);
+    int64_t* cnt = chunk_counts(c);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t j = labels[i];
+      ++cnt[j];
+      const T* xi = x + i * d;
+      double* aj = acc + j * d;
+      for (int64_t t = 0; t < d; ++t) aj[t] += static_cast<double>(xi[t]);
+    }
+  }
+};
+
 // Without capacities the assignment is the argmin (the auction's answer at zero prices): tile by tile, the
 // nearest centroid (lowest index on ties), its distance own_new[i] and the distance to prev[i] (if given),
-// without an n x k matrix.
+// without an n x k matrix. With `sums`, each chunk's rows are also added to the cluster sums of their new
+// labels while the tile is still in cache, which saves the centroid update its own pass over x.
 template <typename T>
 void nearest(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, const double* cnorm, int64_t k,
-             const Blas* blas, const int64_t* prev, int64_t* labels, double* own_new, double* own_prev) {
+             const Blas* blas, const int64_t* prev, int64_t* labels, double* own_new, double* own_prev,
+             ClusterSums* sums = nullptr) {
   const Panel<T> pn(c, cnorm, k, d, blas);
-  const int64_t nb = (n + kTileRows - 1) / kTileRows;
+  // Work items: chunks of the sums when summing (tiles of kTileRows rows inside each), else single tiles.
+  const int64_t span = sums ? sums->cs : kTileRows;
+  const int64_t items = (n + span - 1) / span;
 #pragma omp parallel
   {
     std::vector<T> scratch(pn.scratch_size());
     std::vector<double> tile(static_cast<size_t>(kTileRows * k));
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t i0 = b * kTileRows, i1 = std::min(n, i0 + kTileRows);
-      distance_tile(x, xnorm, i0, i1, d, pn, scratch.data(), tile.data());
-      for (int64_t i = i0; i < i1; ++i) {
-        const double* Di = tile.data() + (i - i0) * k;
-        int64_t best = 0;
-        for (int64_t j = 1; j < k; ++j) best = Di[j] < Di[best] ? j : best;
-        labels[i] = best;
-        own_new[i] = Di[best];
-        if (prev) own_prev[i] = Di[prev[i]];
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t w0 = w * span, w1 = std::min(n, w0 + span);
+      if (sums) sums->clear_chunk(w);
+      for (int64_t i0 = w0; i0 < w1; i0 += kTileRows) {
+        const int64_t i1 = std::min(w1, i0 + kTileRows);
+        distance_tile(x, xnorm, i0, i1, d, pn, scratch.data(), tile.data());
+        for (int64_t i = i0; i < i1; ++i) {
+          const double* Di = tile.data() + (i - i0) * k;
+          int64_t best = 0;
+          for (int64_t j = 1; j < k; ++j) best = Di[j] < Di[best] ? j : best;
+          labels[i] = best;
+          own_new[i] = Di[best];
+          if (prev) own_prev[i] = Di[prev[i]];
+        }
+        if (sums) sums->add(x, labels, w, i0, i1);
       }
     }
   }
 }
 
+// |v|^2 in double over kNormLanes lane accumulators written out in the source (vectorised without reassociation,
+// so the result does not depend on the SIMD width; a single running sum would be a d-long dependency chain).
+constexpr int kNormLanes = 8;
 template <typename T>
 double row_sqnorm(const T* v, int64_t d) {
-  double s = 0.0;
-  for (int64_t t = 0; t < d; ++t) s += static_cast<double>(v[t]) * static_cast<double>(v[t]);
-  return s;
+  double acc[kNormLanes] = {};
+  int64_t t = 0;
+  for (; t + kNormLanes <= d; t += kNormLanes)
+    for (int l = 0; l < kNormLanes; ++l) acc[l] += static_cast<double>(v[t + l]) * static_cast<double>(v[t + l]);
+  double tail = 0.0;
+  for (; t < d; ++t) tail += static_cast<double>(v[t]) * static_cast<double>(v[t]);
+  for (int w = kNormLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0] + tail;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -342,46 +446,85 @@ double max_abs(const std::vector<double>& v) {
 // Lloyd iterations (the auction itself is in auction.cpp).
 // ------------------------------------------------------------------------------------------------
 
-// Centred (or unit-row) copy of x in T, its row norms, and the mean that was removed.
+// The frame of the Lloyd iterations: the rows (x itself, or a centred or unit-row copy in T), their squared norms,
+// and the mean that was removed (zero when none was).
 template <typename T>
 struct Prepared {
-  std::vector<T> x;
+  const T* x = nullptr;  // (n, d): the input, or copy.data()
+  RawVector<T> copy;
   std::vector<double> xnorm;
   std::vector<double> mean;
 };
 
+// Centring only buys precision: float32 |x|^2 + |c|^2 - 2 x.c loses about eps |x| |c| to rounding, so it pays
+// when |mean|^2 is not small next to the mean squared distance to the mean. Below kCentreRatio of it, the rows
+// are used in place (the rounding bound grows by at most that fraction), which saves an n x d copy: at
+// n = 10^6, d = 1 024 that is 4 GiB and seconds of page faults per call, more than the Lloyd iterations' GEMMs.
+constexpr double kCentreRatio = 0.25;
+
+// One pass over x gives the column sums, the row norms and the largest |entry|; the NaN/Inf check costs no pass
+// of its own: a NaN or an infinity makes a column sum (or a row norm) non-finite, and only then is x scanned for
+// the first bad row (a sum that merely overflowed finds none and is left to the range check). A second pass
+// writes the centred or unit-row copy when one is needed.
 template <typename T>
 Prepared<T> prepare(const char* op, const T* x, int64_t n, int64_t d, bool spherical) {
-  check_finite(op, "x", x, n, d);
   Prepared<T> p;
   p.mean.assign(d, 0.0);
-  p.x.resize(static_cast<size_t>(n) * d);
   p.xnorm.resize(n);
-  if (!spherical) {
-    const int64_t cs = chunk_rows(n);
-    const int64_t nc = (n + cs - 1) / cs;
-    std::vector<double> part(static_cast<size_t>(nc) * d, 0.0);
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < nc; ++c) {
-      double* acc = part.data() + c * d;
-      for (int64_t i = c * cs; i < std::min(n, (c + 1) * cs); ++i)
-        for (int64_t t = 0; t < d; ++t) acc[t] += static_cast<double>(x[i * d + t]);
-    }
-    for (int64_t c = 0; c < nc; ++c)
-      for (int64_t t = 0; t < d; ++t) p.mean[t] += part[c * d + t];
-    for (int64_t t = 0; t < d; ++t) p.mean[t] /= static_cast<double>(n);
-  }
+  const int64_t cs = chunk_rows(n);
+  const int64_t nc = (n + cs - 1) / cs;
+  std::vector<double> part(spherical ? 0 : static_cast<size_t>(nc) * d, 0.0);
+  std::vector<double> part_sq(nc, 0.0);
   bool zero_row = false;
+  double raw_largest = 0.0;
+#pragma omp parallel for schedule(static) reduction(|| : zero_row) reduction(max : raw_largest)
+  for (int64_t c = 0; c < nc; ++c) {
+    double* acc = spherical ? nullptr : part.data() + c * d;
+    double sq = 0.0;
+    for (int64_t i = c * cs; i < std::min(n, (c + 1) * cs); ++i) {
+      const T* src = x + i * d;
+      p.xnorm[i] = row_sqnorm(src, d);
+      sq += p.xnorm[i];
+      zero_row = zero_row || p.xnorm[i] == 0.0;
+      if (acc) {
+        for (int64_t t = 0; t < d; ++t) {
+          acc[t] += static_cast<double>(src[t]);
+          raw_largest = std::max(raw_largest, std::fabs(static_cast<double>(src[t])));
+        }
+      }
+    }
+    part_sq[c] = sq;
+  }
+  double total_sq = 0.0;
+  for (int64_t c = 0; c < nc; ++c) {
+    total_sq += part_sq[c];
+    if (!spherical)
+      for (int64_t t = 0; t < d; ++t) p.mean[t] += part[c * d + t];
+  }
+  bool finite = std::isfinite(total_sq);
+  for (int64_t t = 0; t < d; ++t) finite = finite && std::isfinite(p.mean[t]);
+  if (!finite) check_finite(op, "x", x, n, d);
+  if (spherical && zero_row) throw std::invalid_argument(std::string(op) + ": metric='cosine' needs non-zero rows");
+  for (int64_t t = 0; t < d; ++t) p.mean[t] /= static_cast<double>(n);
+  if (!spherical) {
+    double m2 = 0.0;
+    for (int64_t t = 0; t < d; ++t) m2 += p.mean[t] * p.mean[t];
+    const double spread = total_sq / static_cast<double>(n) - m2;  // mean |x_i - mean|^2
+    if (m2 <= kCentreRatio * spread && raw_largest <= max_entry<T>()) {
+      std::fill(p.mean.begin(), p.mean.end(), 0.0);
+      p.x = x;
+      return p;
+    }
+  }
+  p.copy.resize(static_cast<size_t>(n) * d);
   double largest = 0.0;
-#pragma omp parallel for schedule(static) reduction(|| : zero_row) reduction(max : largest)
+#pragma omp parallel for schedule(static) reduction(max : largest)
   for (int64_t i = 0; i < n; ++i) {
     const T* src = x + i * d;
-    T* dst = p.x.data() + i * d;
+    T* dst = p.copy.data() + i * d;
     if (spherical) {
-      const double nrm = std::sqrt(row_sqnorm(src, d));
-      if (nrm == 0.0) zero_row = true;
-      if (!std::isfinite(nrm)) largest = kInf;  // the squared norm overflowed
-      const double inv = nrm > 0.0 ? 1.0 / nrm : 0.0;
+      if (!std::isfinite(p.xnorm[i])) largest = kInf;  // the squared norm overflowed (float64 input)
+      const double inv = 1.0 / std::sqrt(p.xnorm[i]);
       for (int64_t t = 0; t < d; ++t) dst[t] = static_cast<T>(static_cast<double>(src[t]) * inv);
     } else {
       for (int64_t t = 0; t < d; ++t) {
@@ -391,7 +534,7 @@ Prepared<T> prepare(const char* op, const T* x, int64_t n, int64_t d, bool spher
     }
     p.xnorm[i] = row_sqnorm(dst, d);
   }
-  if (zero_row) throw std::invalid_argument(std::string(op) + ": metric='cosine' needs non-zero rows");
+  p.x = p.copy.data();
   check_range<T>(op, "x", largest);
   return p;
 }
@@ -408,7 +551,7 @@ void normalise_rows(std::vector<double>& c, int64_t k, int64_t d) {
 // Squared distance of every row of x to one row `r` of x (for k-means++).
 template <typename T>
 void dist_to_row(const Prepared<T>& p, int64_t n, int64_t d, int64_t r, std::vector<double>& out) {
-  sqdist(p.x.data(), p.xnorm.data(), n, d, p.x.data() + r * d, p.xnorm.data() + r, 1, out.data(), nullptr);
+  sqdist(p.x, p.xnorm.data(), n, d, p.x + r * d, p.xnorm.data() + r, 1, out.data(), nullptr);
 }
 
 template <typename T>
@@ -437,10 +580,10 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
     }
     // All candidates in one pass over the data (the tiled kernel), then their potentials.
     for (int t = 0; t < trials; ++t) {
-      std::copy(p.x.begin() + cands[t] * d, p.x.begin() + (cands[t] + 1) * d, cand_rows.begin() + t * d);
+      std::copy(p.x + cands[t] * d, p.x + (cands[t] + 1) * d, cand_rows.begin() + t * d);
       cand_norm[t] = p.xnorm[cands[t]];
     }
-    sqdist(p.x.data(), p.xnorm.data(), n, d, cand_rows.data(), cand_norm.data(), trials, cand_d.data(), blas);
+    sqdist(p.x, p.xnorm.data(), n, d, cand_rows.data(), cand_norm.data(), trials, cand_d.data(), blas);
     double best_pot = kInf;
     int best_t = -1;
     for (int t = 0; t < trials; ++t) {
@@ -461,41 +604,39 @@ std::vector<double> kmeans_plusplus(const Prepared<T>& p, int64_t n, int64_t d, 
   return centers;
 }
 
-// Cluster means (chunked double sums, fixed order); empty clusters re-seeded at the point farthest
+// The sums of every chunk of rows by their labels (the centroid update's pass over x, when the assignment did
+// not take them).
+template <typename T>
+void sum_clusters(const Prepared<T>& p, int64_t n, const std::vector<int64_t>& labels, ClusterSums& sums) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < sums.nc; ++c) {
+    sums.clear_chunk(c);
+    sums.add(p.x, labels.data(), c, c * sums.cs, std::min(n, (c + 1) * sums.cs));
+  }
+}
+
+// Cluster means from the chunk sums (chunks added in order); empty clusters re-seeded at the point farthest
 // from its own centroid among clusters of size > 1, exactly as the reference does.
 template <typename T>
-void update_centroids(const Prepared<T>& p, int64_t n, int64_t d, int64_t k, const std::vector<int64_t>& labels,
-                      std::vector<double> own, bool spherical, std::vector<double>& cent) {
-  const int64_t cs = chunk_rows(n);
-  const int64_t nc = (n + cs - 1) / cs;
-  std::vector<double> part(static_cast<size_t>(nc) * k * d, 0.0);
-  std::vector<int64_t> pcount(static_cast<size_t>(nc) * k, 0);
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < nc; ++c) {
-    double* acc = part.data() + c * k * d;
-    int64_t* cnt = pcount.data() + c * k;
-    for (int64_t i = c * cs; i < std::min(n, (c + 1) * cs); ++i) {
-      const int64_t j = labels[i];
-      ++cnt[j];
-      const T* xi = p.x.data() + i * d;
-      double* aj = acc + j * d;
-      for (int64_t t = 0; t < d; ++t) aj[t] += static_cast<double>(xi[t]);
-    }
-  }
+void centroids_from_sums(const Prepared<T>& p, int64_t n, const ClusterSums& s, const std::vector<int64_t>& labels,
+                         const std::vector<double>& own_in, bool spherical, std::vector<double>& cent) {
+  const int64_t k = s.k, d = s.d;
   std::vector<double> sums(static_cast<size_t>(k) * d, 0.0);
   std::vector<int64_t> counts(k, 0);
-  for (int64_t c = 0; c < nc; ++c) {
+  for (int64_t c = 0; c < s.nc; ++c) {
     for (int64_t j = 0; j < k; ++j) {
-      counts[j] += pcount[c * k + j];
-      for (int64_t t = 0; t < d; ++t) sums[j * d + t] += part[(c * k + j) * d + t];
+      counts[j] += s.count[c * k + j];
+      for (int64_t t = 0; t < d; ++t) sums[j * d + t] += s.part[(c * k + j) * d + t];
     }
   }
   for (int64_t j = 0; j < k; ++j) {
     if (counts[j] == 0) continue;
     for (int64_t t = 0; t < d; ++t) cent[j * d + t] = sums[j * d + t] / static_cast<double>(counts[j]);
   }
+  std::vector<double> own;  // a copy only when a cluster is empty: re-seeding marks the points it took
   for (int64_t j = 0; j < k; ++j) {
     if (counts[j] != 0) continue;
+    if (own.empty()) own = own_in;
     int64_t pick = -1;
     double far = -1.0;
     for (int64_t i = 0; i < n; ++i) {
@@ -528,7 +669,7 @@ double exact_own_distances(const Prepared<T>& p, int64_t n, int64_t d, const std
   own.resize(n);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const T* xi = p.x.data() + i * d;
+    const T* xi = p.x + i * d;
     const double* c = cent.data() + labels[i] * d;
     double s = 0.0;
     for (int64_t t = 0; t < d; ++t) {
@@ -548,7 +689,9 @@ struct Step {
   const int64_t *lo, *hi;
   const Blas* blas;
   bool unconstrained;         // no bound can bind: the assignment is the argmin, no n x k matrix is kept
-  std::vector<double> dist;   // (n, k) costs for the auction (empty when unconstrained)
+  bool summed = false;        // after assign: `sums` holds the kept labels' cluster sums (taken with the argmin)
+  ClusterSums sums;
+  RawVector<double> dist;     // (n, k) costs for the auction (empty when unconstrained)
   std::vector<double> own_prev;
   std::vector<T> ct;
   std::vector<double> cn;
@@ -557,8 +700,8 @@ struct Step {
 
   Step(const Prepared<T>& p, int64_t n_, int64_t d_, int64_t k_, const int64_t* lo_, const int64_t* hi_,
        const Blas* b, PhaseTimes& ph_, Stopwatch& w)
-      : prep(p), n(n_), d(d_), k(k_), lo(lo_), hi(hi_), blas(b), unconstrained(true), own_prev(n_), ph(ph_),
-        watch(w) {
+      : prep(p), n(n_), d(d_), k(k_), lo(lo_), hi(hi_), blas(b), unconstrained(true), sums(n_, k_, d_),
+        own_prev(n_), ph(ph_), watch(w) {
     for (int64_t j = 0; j < k; ++j) unconstrained = unconstrained && lo[j] <= 0 && hi[j] >= n;
     if (!unconstrained) dist.resize(static_cast<size_t>(n) * k);
   }
@@ -570,11 +713,12 @@ struct Step {
     to_T(cent, k, d, ct, cn);
     const int64_t* prev = labels.empty() ? nullptr : labels.data();
     if (unconstrained) {
-      nearest(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, blas, prev, new_labels.data(),
-              own.data(), own_prev.data());
+      nearest(prep.x, prep.xnorm.data(), n, d, ct.data(), cn.data(), k, blas, prev, new_labels.data(),
+              own.data(), own_prev.data(), &sums);
+      summed = true;
       ph.distance += watch.lap();
     } else {
-      sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
+      sqdist(prep.x, prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
       ph.distance += watch.lap();
       rounds += auction_assign(dist.data(), n, k, lo, hi, prices, new_labels.data());
       ph.auction += watch.lap();
@@ -588,6 +732,7 @@ struct Step {
     if (prev) {
       const double before = chunked_sum(n, [&](int64_t i) { return own_prev[i]; });
       if (cost > before) {
+        summed = false;  // the sums are the rejected labels'
         new_labels = labels;
         own.swap(own_prev);
         cost = before;
@@ -615,13 +760,15 @@ Run lloyd(Step<T>& step, std::vector<double> cent, const KMeansParams& p) {
   std::vector<int64_t> new_labels(step.n);
   std::vector<double> own(step.n);
   for (r.n_iter = 1; r.n_iter <= p.max_iter; ++r.n_iter) {
+    step.summed = false;
     const double cost = step.assign(cent, prices, r.labels, new_labels, own, r.rounds);
     const bool same = !r.labels.empty() && new_labels == r.labels;
     const double improved = r.history.empty() ? kInf : r.history.back() - cost;
     const double ref = r.history.empty() ? cost : r.history.back();
     r.labels = new_labels;
     r.history.push_back(cost);
-    update_centroids(step.prep, step.n, step.d, step.k, r.labels, own, p.spherical, cent);
+    if (!step.summed) sum_clusters(step.prep, step.n, r.labels, step.sums);
+    centroids_from_sums(step.prep, step.n, step.sums, r.labels, own, p.spherical, cent);
     step.ph.update += step.watch.lap();
     if (same || improved <= p.tol * std::fabs(ref)) {
       r.converged = true;
@@ -722,8 +869,8 @@ void assign_with_capacity_cpu(const T* x, int64_t n, int64_t d, const T* centroi
   std::vector<T> ct;
   std::vector<double> cn;
   to_T(cent, k, d, ct, cn);
-  std::vector<double> dist(static_cast<size_t>(n) * k);
-  sqdist(prep.x.data(), prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
+  RawVector<double> dist(static_cast<size_t>(n) * k);
+  sqdist(prep.x, prep.xnorm.data(), n, d, ct.data(), cn.data(), k, dist.data(), blas);
   AuctionState prices;
   auction_assign(dist.data(), n, k, lo, hi, prices, labels);
   std::vector<int64_t> lab(labels, labels + n);

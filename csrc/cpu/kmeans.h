@@ -39,10 +39,10 @@ struct KMeansParams {
 struct PhaseTimes {
   double prepare = 0.0;    // checks, centring (or unit rows), row norms
   double init = 0.0;       // k-means++
-  double distance = 0.0;   // distance tiles (and, without capacities, the fused argmin)
+  double distance = 0.0;   // distance tiles (and, without capacities, the fused argmin and cluster sums)
   double auction = 0.0;    // the capacity auction (its argmin included)
   double objective = 0.0;  // objective of the new and the previous labels, own distances
-  double update = 0.0;     // centroid update
+  double update = 0.0;     // centroid update (with capacities: also its pass summing the rows)
   double finish = 0.0;     // exact own distances of the final labels
 };
 

@@ -192,7 +192,10 @@ def test_bit_identical_across_thread_counts(tmp_path):
         "rng = np.random.default_rng(0)\n"
         "x = rng.standard_normal((20000, 24)).astype(np.float32)\n"
         "r = capacity_kmeans(x, 7, max_size=3500, min_size=2000, n_init=2, max_iter=20, backend='cpu')\n"
-        "np.save(sys.argv[1], np.concatenate([r.labels.astype(np.float64), r.centroids.ravel().astype(np.float64)]))\n"
+        "u = capacity_kmeans(x + 4.0, 7, n_init=2, max_iter=20, backend='cpu')\n"  # argmin with the sums, centred
+        "v = capacity_kmeans(x, 7, n_init=1, max_iter=20, backend='cpu')\n"  # the same, rows used in place
+        "np.save(sys.argv[1], np.concatenate([a.astype(np.float64).ravel() for a in (r.labels, r.centroids, u.labels,"
+        " u.centroids, v.labels, v.centroids)]))\n"
     )
     outs = []
     for threads in (1, 2, 3):
@@ -202,6 +205,21 @@ def test_bit_identical_across_thread_counts(tmp_path):
         outs.append(np.load(path))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@needs_native
+@pytest.mark.parametrize("kw", [dict(), dict(max_size=1000)])
+def test_a_far_mean_is_removed_before_the_float32_distances(kw):
+    """Rows far from the origin next to their spread are centred before the float32 GEMM (else |x|^2 + |c|^2 -
+    2 x.c would lose the distances to rounding); rows near it are used in place. Both match the reference."""
+    x = blobs(4000, 16, 5, seed=7, dtype=np.float32, spread=2.0)
+    for data in (x, (x + 30000.0).astype(np.float32)):
+        init = data[:5].copy()
+        nat = capacity_kmeans(data, 5, init=init, max_iter=15, backend="cpu", **kw)
+        ref = capacity_kmeans(data, 5, init=init, max_iter=15, backend="torch", **kw)
+        assert (nat.labels == ref.labels).mean() > 0.999
+        np.testing.assert_allclose(nat.inertia, ref.inertia, rtol=1e-6)
+        np.testing.assert_allclose(nat.centroids, ref.centroids, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

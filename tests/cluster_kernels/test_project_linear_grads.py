@@ -58,7 +58,11 @@ def test_torch_backend_matches_float64_definition(lengths, d_in, d_out, k_i, k_o
     got = project_linear_grads(x, g, cu, p_in, p_out, token_weights=w, backend="torch")
     assert got.shape == (len(lengths), k_o, k_i)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert rel_err(got, ref) <= TOL[dtype]
+    # Relative to the sum of |terms| (the reference on absolute values), not to the result: a single feature
+    # of many tokens can cancel to far below its terms, where rounding relative to the result is unbounded.
+    bound = project_linear_grads_ref(x.abs(), g.abs(), cu, p_in.abs(), p_out.abs(), token_weights=w)
+    scale = bound.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= TOL[dtype] * (scale if scale > 0 else 1.0)
 
 
 @pytest.mark.parametrize(
