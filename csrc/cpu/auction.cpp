@@ -387,8 +387,9 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
 
 class FloorAuction {
  public:
-  FloorAuction(const Block& b, const int64_t* hi, std::vector<double>& prices, int32_t* obj, const AuctionParams& ap)
-      : b_(b), hi_(hi), p_(prices), obj_(obj), ap_(ap), own_(b.n), gap_(b.n), regret_(b.n), second_(b.n, b.k) {
+  FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
+      : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), own_(b.n), gap_(b.n),
+        regret_(b.n), second_(b.n, b.k) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -437,9 +438,26 @@ class FloorAuction {
   // own_[i]: the cost row(i)[obj_[i]] (without price), kept with obj_; cols_: the costs column-major (k, n),
   // made at the first reverse step (empty before, or when the block is above kMaxColumnCopy entries). A
   // reverse step then reads two contiguous arrays instead of two entries of every cost row.
-  std::vector<double> own_, cols_, gap_, regret_;
+  std::vector<double>& cols_;  // the caller's buffer (AuctionState::columns), valid once have_cols_
+  bool have_cols_ = false;
+  std::vector<double> own_, gap_, regret_;
   std::vector<std::vector<int64_t>> members_;
   SecondCache second_;
+  // Per cluster j, a min-heap of its members keyed by (sc - own) at the time the key was taken (sc: the
+  // cheapest other cluster's cost with price). Within a phase prices only rise, so a stored key is a lower
+  // bound of the member's key now, and its regret now, sc - (own + p_j), is at least key - p_j less rounding
+  // (margin_). A forward round pops members until no unpopped one can be among the `excess` smallest regrets,
+  // reads only those, and pushes back the ones that stay: O(excess) rows per round instead of every member of
+  // every over-full cluster. Built the first time a cluster is over-full in a phase; dropped at phase starts
+  // (reverse steps lower prices, which can lower keys).
+  struct Entry {
+    double key;
+    int64_t row;
+  };
+  static bool entry_after(const Entry& a, const Entry& b) { return a.key > b.key || (a.key == b.key && a.row > b.row); }
+  std::vector<std::vector<Entry>> heap_;
+  std::vector<char> built_;
+  std::vector<double> key_;  // a popped candidate's fresh key
 
   Two cheapest_two(int64_t i) const {
     const double* Di = row(i);
@@ -455,7 +473,8 @@ class FloorAuction {
 
   // Column j of the costs (null when there is no column-major copy).
   const double* column(int64_t j) {
-    if (cols_.empty() && b_.n * b_.k <= kMaxColumnCopy && b_.n > 0) {
+    if (!have_cols_ && b_.n * b_.k <= kMaxColumnCopy && b_.n > 0) {
+      have_cols_ = true;
       cols_.resize(static_cast<size_t>(b_.n) * b_.k);
       constexpr int64_t kBlock = 64;
 #pragma omp parallel for schedule(static)
@@ -465,7 +484,7 @@ class FloorAuction {
           for (int64_t i = i0; i < i1; ++i) cols_[c * b_.n + i] = row(i)[c];
       }
     }
-    return cols_.empty() ? nullptr : cols_.data() + j * b_.n;
+    return have_cols_ ? cols_.data() + j * b_.n : nullptr;
   }
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
@@ -512,6 +531,8 @@ class FloorAuction {
   // deficit (reverse steps); a price that would go below 0 stops at 0, where being under-full is allowed.
   // Zeroing the price outright instead would throw away what earlier phases learnt.
   void start(bool first) {
+    built_.assign(b_.k, 0);
+    for (auto& h : heap_) h.clear();
     bid_all(!first);
     idle_ = exact_;
     if (slack_ <= 0) return;
@@ -578,6 +599,78 @@ class FloorAuction {
     }
   }
 
+  // Largest rounding difference between a member's regret sc - (own + p_j) and key - p_j, key = sc - own, over
+  // this problem's magnitudes (eps_final >= 64 DBL_EPSILON (max |cost| + max |initial price| + span); prices
+  // grow during rounds, hence the current largest price).
+  double rounding_margin() const {
+    double pmax = 0.0;
+    for (double p : p_) pmax = std::max(pmax, std::fabs(p));
+    return es_.eps_final / 4.0 + 16.0 * DBL_EPSILON * pmax;
+  }
+
+  // Row i's exact cheapest other cost sc (with prices) while it is in cluster j, cached in second_.
+  double second_cost(int64_t i, int64_t j) {
+    double sc;
+    if (!second_.get(i, j, &sc)) {
+      const double* Di = row(i);
+      const int64_t arg = cheapest_except(b_.k, j, [&](int64_t c) { return Di[c] + p_[c]; }, &sc);
+      second_.put(i, j, arg, sc);
+    }
+    return sc;
+  }
+
+  // The heaps of the clusters in `over` not built yet in this phase: their members (one pass over the
+  // labels for all of them) keyed at the current prices.
+  void build_heaps(const std::vector<int64_t>& over) {
+    if (heap_.size() != static_cast<size_t>(b_.k)) heap_.resize(b_.k);
+    if (key_.size() != static_cast<size_t>(b_.n)) key_.resize(b_.n);
+    std::vector<int64_t> slot(b_.k, -1), fresh;
+    for (int64_t j : over) {
+      if (built_[j]) continue;
+      slot[j] = static_cast<int64_t>(fresh.size());
+      fresh.push_back(j);
+      built_[j] = 1;
+    }
+    if (fresh.empty()) return;
+    group_rows(b_.n, static_cast<int64_t>(fresh.size()), [&](int64_t i) { return slot[obj_[i]]; }, members_);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t f = 0; f < static_cast<int64_t>(fresh.size()); ++f) {
+      const int64_t j = fresh[f];
+      auto& h = heap_[j];
+      h.clear();
+      for (int64_t i : members_[f]) h.push_back({second_cost(i, j) - own_[i], i});
+      std::make_heap(h.begin(), h.end(), entry_after);
+    }
+  }
+
+  // Into `cand`: members of the over-full cluster j popped from its heap, with their regrets (regret_) and
+  // fresh keys (key_), at least this rank's `t` smallest regrets among them and every member that could tie
+  // or beat the t-th (the rest stay in the heap, their keys lower bounds of their regrets plus p_j).
+  void candidates(int64_t j, int64_t t, double margin, std::vector<int64_t>& cand) {
+    auto& h = heap_[j];
+    cand.clear();
+    std::vector<double> best;  // the t smallest regrets popped so far, a max-heap
+    const double pj = p_[j];
+    while (!h.empty()) {
+      if (static_cast<int64_t>(best.size()) >= t && h.front().key - pj - margin > best.front()) break;
+      std::pop_heap(h.begin(), h.end(), entry_after);
+      const int64_t i = h.back().row;
+      h.pop_back();
+      const double sc = second_cost(i, j);
+      key_[i] = sc - own_[i];
+      regret_[i] = sc - (own_[i] + pj);  // own_[i] is row(i)[j]
+      cand.push_back(i);
+      if (static_cast<int64_t>(best.size()) < t) {
+        best.push_back(regret_[i]);
+        std::push_heap(best.begin(), best.end());
+      } else if (regret_[i] < best.front()) {
+        std::pop_heap(best.begin(), best.end());
+        best.back() = regret_[i];
+        std::push_heap(best.begin(), best.end());
+      }
+    }
+  }
+
   // One forward round: every over-full cluster evicts its `excess` members with the smallest (regret,
   // row) and raises its price past the last of them; evicted points re-bid. False when none is over-full.
   bool round() {
@@ -591,20 +684,13 @@ class FloorAuction {
     if (over.empty()) return false;
     if (++rounds_ > ap_.max_rounds) throw std::runtime_error("floor_auction: no termination (internal error)");
     const int64_t nover = static_cast<int64_t>(over.size());
-    group_rows(b_.n, nover, [&](int64_t i) {
-      const int64_t j = obj_[i];
-      if (slot[j] < 0) return int64_t{-1};
-      double sc;
-      if (!second_.get(i, j, &sc)) {
-        const double* Di = row(i);
-        const int64_t arg = cheapest_except(b_.k, j, [&](int64_t c) { return Di[c] + p_[c]; }, &sc);
-        second_.put(i, j, arg, sc);
-      }
-      regret_[i] = sc - (own_[i] + p_[j]);  // own_[i] is row(i)[j]: one read fewer of a scattered row
-      return slot[j];
-    }, members_);
+    build_heaps(over);
     std::vector<int64_t> excess(nover);
     for (int64_t s = 0; s < nover; ++s) excess[s] = counts_[over[s]] - hi_[over[s]];
+    const double margin = rounding_margin();
+    members_.resize(nover);
+#pragma omp parallel for schedule(dynamic, 1) if (nover > 1)
+    for (int64_t s = 0; s < nover; ++s) candidates(over[s], excess[s], margin, members_[s]);
     const Threshold th = select_smallest(b_, regret_.data(), members_, excess);
     std::vector<int64_t> moved;
     for (int64_t s = 0; s < nover; ++s) {
@@ -612,6 +698,11 @@ class FloorAuction {
       if (!std::isfinite(p_[over[s]])) throw std::runtime_error("floor_auction: infinite price (internal error)");
       counts_[over[s]] = hi_[over[s]];
       moved.insert(moved.end(), members_[s].begin(), members_[s].begin() + th.count[s]);
+      auto& h = heap_[over[s]];
+      for (size_t e = th.count[s]; e < members_[s].size(); ++e) {  // the candidates that stay
+        h.push_back({key_[members_[s][e]], members_[s][e]});
+        std::push_heap(h.begin(), h.end(), entry_after);
+      }
     }
     rebid(moved);
     return true;
@@ -631,7 +722,13 @@ class FloorAuction {
     }
     check_bids(bad, "floor_auction");
     std::vector<int64_t> came(b_.k, 0);
-    for (int64_t e = 0; e < nm; ++e) ++came[obj_[moved[e]]];
+    for (int64_t e = 0; e < nm; ++e) {
+      const int64_t i = moved[e], j = obj_[i];
+      ++came[j];
+      if (!built_[j]) continue;
+      heap_[j].push_back({second_cost(i, j) - own_[i], i});
+      std::push_heap(heap_[j].begin(), heap_[j].end(), entry_after);
+    }
     b_.comm.sum(came);
     for (int64_t j = 0; j < b_.k; ++j) counts_[j] += came[j];
   }
@@ -944,7 +1041,7 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
     return DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);
   }
   std::vector<int32_t> obj(n);
-  const int64_t rounds = FloorAuction(b, hi, state.floor_prices, obj.data(), ap).run();
+  const int64_t rounds = FloorAuction(b, hi, state, obj.data(), ap).run();
   const std::vector<int64_t> sizes = global_counts(b, obj.data(), k);
   bool lower_ok = true;
   for (int64_t j = 0; j < k; ++j) lower_ok = lower_ok && sizes[j] >= lo[j];

@@ -63,6 +63,9 @@ struct AuctionState {
   std::vector<double> floor_prices;    // the relaxed problem (upper bounds only), one per cluster
   std::vector<double> general_prices;  // the general problem, one per object (mandatory/optional part)
   bool used_general = false;           // whether the last call needed the general auction
+  // Scratch of the floor auction (its column-major copy of the costs), kept between calls so that a Lloyd loop
+  // faults its pages in once, not on every iteration.
+  std::vector<double> columns;
 };
 
 // Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
