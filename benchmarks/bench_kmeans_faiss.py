@@ -199,13 +199,14 @@ def sections(results: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
          "notes": ["faiss is unconstrained (no capacities) and float32 only: its time is the reference for every "
                    "row of the same data.", "Medians of interleaved repetitions (one at n = 1 000 000 and for exact "
                    "balance), each configuration in its own process; peak memory = resident high-water mark of that "
-                   "process less the input array (the prepared copy of x, the distance tiles or the cost matrix, "
-                   "the centroid sums)."]},
+                   "process less the input array (a centred copy of x when one is made, the distance tiles or the "
+                   "cost matrix, the centroid sums)."]},
         {"heading": "Where an iteration goes (ours, ms per iteration; prepare and finish: ms per call)",
          "columns": ["n", "d", "threads", "data and capacity", "distance", "auction", "objective", "update",
                      "prepare", "finish"], "rows": phase_rows,
          "notes": ["From the extension's phase timers. distance: the distance tiles (one GEMM each) and, without "
-                   "capacities, the fused argmin; auction: the capacity auction on the stored cost matrix."]},
+                   "capacities, the fused argmin and cluster sums; auction: the capacity auction on the stored cost "
+                   "matrix; update: the centroids (with capacities, after their own pass summing the rows)."]},
     ]
 
 

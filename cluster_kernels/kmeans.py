@@ -31,8 +31,11 @@ Lloyd iterations alternate this assignment with the centroid update (cluster mea
 for ``metric="cosine"``); the previous labels stay when the new assignment would not lower the
 objective, so the objective never increases. Initialisation is greedy k-means++ (``2 + ln K`` local
 trials, as scikit-learn does) with a splitmix64 stream, so a seed gives the same centroids
-everywhere. Data are centred (in float64) before distances ``|x|^2 - 2 x.c + |c|^2`` are formed, to
-keep float32 precision.
+everywhere. The reference centres the data (in float64) before distances ``|x|^2 - 2 x.c + |c|^2`` are
+formed; the native CPU path centres too (a float32 copy, for float32 precision) unless the mean is already
+small next to the spread (``|mean|^2`` at most a quarter of the mean squared distance to the mean), where it
+uses the rows in place: the rounding bound grows by at most that quarter and no ``n x d`` copy is made
+(csrc/cpu/kmeans.cpp, ``kCentreRatio``).
 
 Numerical range: the objective is scale-equivariant, so data whose largest ``|entry|`` (explicit
 centroids included) lies outside ``[2^-24, 2^24]`` are first multiplied by a power of two ``2^-e``

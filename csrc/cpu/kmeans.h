@@ -37,7 +37,7 @@ struct KMeansParams {
 
 // Wall seconds per phase of capacity_kmeans_cpu, summed over restarts and Lloyd iterations.
 struct PhaseTimes {
-  double prepare = 0.0;    // checks, centring (or unit rows), row norms
+  double prepare = 0.0;    // checks, row norms, the centred (or unit-row) copy when one is made
   double init = 0.0;       // k-means++
   double distance = 0.0;   // distance tiles (and, without capacities, the fused argmin and cluster sums)
   double auction = 0.0;    // the capacity auction (its argmin included)
