@@ -8,15 +8,19 @@
 //
 // Parallel decomposition
 // * Per-point work runs on the device with grid-stride loops and int64 offsets: centring, distances
-//   (a tile of points x centroids per block, staged through shared memory), sums. Nothing per point goes to
-//   the host.
+//   (a register-blocked GEMM: tiles of 128 points x 64 centroids per block, 4 x 8 per thread, staged through
+//   shared memory), sums. Nothing per point goes to the host.
 // * Cluster sums sort point indices by label (stable), so every (row chunk, cluster) pair owns a
 //   contiguous, index-ordered run; one thread per (chunk, cluster, column) sums its run in order.
 //
 // Determinism: no floating-point atomics and no order that depends on scheduling. Integer atomics
 // (histograms) are exact; CUB's radix sort is deterministic and stable. Two runs give bit-identical results.
 //
-// Agreement with the CPU: arithmetic that decides labels is written in the order of the CPU's portable
+// Agreement with the CPU: since the CPU's distance tiles are BLAS GEMMs, it uses rows in place when their mean is
+// small next to their spread, and it sums row norms over 8 lanes, the two paths agree to rounding (labels equal
+// except near-ties) rather than bit for bit; mirroring those three here is left for a session with a GPU to check
+// it. What follows is the agreement with the CPU as it was (its portable loop, CLUSTER_KERNELS_BLAS=0, and always
+// centred data). Arithmetic that decides labels is written in the order of the CPU's portable
 // distance kernel (the in-order tile loop of kmeans.cpp, used there when no BLAS is registered) with
 // explicitly rounded intrinsics (__dadd_rn, __fma_rn, ...), so nvcc neither fuses nor splits it:
 // * the centring mean and the cluster sums use the CPU's chunking (chunk_rows) and summation order;
@@ -114,58 +118,79 @@ __device__ __forceinline__ double sqdist_value(double xn, double cn, double dot)
   return v > 0.0 ? v : 0.0;
 }
 
-constexpr int kTileGroup = 8;  // centroids per thread in sqdist_tile_kernel (register accumulators)
+// The distance tiles are a register-blocked GEMM: a block computes kTilePoints points x kTileCentroids centroids
+// of x c^T, each thread kPointsPerThread points x kTileGroup centroids (32 register accumulators), from tiles of
+// x and c staged through shared memory tile_chunk<T>() columns at a time.
+constexpr int kTileGroup = 8;                                 // centroids per thread
+constexpr int kPointsPerThread = 4;                           // points per thread (32 apart: one per warp lane)
+constexpr int kTilePoints = 32 * kPointsPerThread;            // points per block tile
+constexpr int kTileCentroids = (kThreads / 32) * kTileGroup;  // centroids per block tile (one group per warp)
 
 template <typename T>
-constexpr int tile_chunk() {  // columns staged per step: 35 KiB of shared memory for either type
+constexpr int tile_chunk() {  // columns staged per step: 25 KiB of shared memory for either type
   return sizeof(T) == 4 ? 32 : 16;
 }
 
-// k > 1. A block takes kThreads points (one per thread) and kTileGroup centroids at a time; the
-// points' rows and the centroids are staged through shared memory tile_chunk<T>() columns at a
-// time (coalesced loads, padded rows: no bank conflicts, centroid reads are broadcasts), and each
-// thread accumulates its kTileGroup dot products over t in order with one FMA per term.
+// k > 1. Warp w of the block owns centroids w * kTileGroup + [0, kTileGroup) of the tile (their shared reads
+// are broadcasts), lane l its points l + 32 r (rows padded by one: no bank conflicts); per staged column a
+// thread reads kPointsPerThread + kTileGroup values for kPointsPerThread * kTileGroup FMAs. Each dot product is
+// still summed over t in order with one FMA per term, so every distance is the same double as a
+// one-point-per-thread loop.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     sqdist_tile_kernel(const T* __restrict__ x, const double* __restrict__ xnorm, int64_t n, int64_t d,
                        const T* __restrict__ c, const double* __restrict__ cnorm, int64_t k, double* __restrict__ out) {
   constexpr int C = tile_chunk<T>();
-  __shared__ T xs[kThreads][C + 1];
-  __shared__ T cs[kTileGroup][C];
-  const int p = threadIdx.x;
-  const int64_t ntiles = (n + kThreads - 1) / kThreads;
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {  // block-uniform loops throughout
-    const int64_t i0 = tile * kThreads;
-    const int64_t i = i0 + p;
-    for (int64_t j0 = 0; j0 < k; j0 += kTileGroup) {
-      T acc[kTileGroup];
+  __shared__ T xs[kTilePoints][C + 1];
+  __shared__ T cs[kTileCentroids][C];
+  const int lane = threadIdx.x & 31;
+  const int group = threadIdx.x >> 5;
+  const int64_t point_tiles = (n + kTilePoints - 1) / kTilePoints;
+  const int64_t centroid_tiles = (k + kTileCentroids - 1) / kTileCentroids;
+  for (int64_t tile = blockIdx.x; tile < point_tiles * centroid_tiles; tile += gridDim.x) {  // block-uniform
+    const int64_t i0 = (tile / centroid_tiles) * kTilePoints;
+    const int64_t j0 = (tile % centroid_tiles) * kTileCentroids;
+    T acc[kPointsPerThread][kTileGroup];
 #pragma unroll
-      for (int w = 0; w < kTileGroup; ++w) acc[w] = T(0);
-      for (int64_t t0 = 0; t0 < d; t0 += C) {
-        const int width = static_cast<int>(imin(C, d - t0));
-        for (int e = threadIdx.x; e < kThreads * C; e += kThreads) {
-          const int r = e / C, col = e - r * C;
-          const int64_t row = i0 + r;
-          xs[r][col] = (row < n && col < width) ? x[row * d + t0 + col] : T(0);
-        }
-        for (int e = threadIdx.x; e < kTileGroup * C; e += kThreads) {
-          const int w = e / C, col = e - w * C;
-          const int64_t j = j0 + w;
-          cs[w][col] = (j < k && col < width) ? c[j * d + t0 + col] : T(0);
-        }
-        __syncthreads();
-        for (int col = 0; col < width; ++col) {
-          const T xv = xs[p][col];
+    for (int r = 0; r < kPointsPerThread; ++r) {
 #pragma unroll
-          for (int w = 0; w < kTileGroup; ++w) acc[w] = fma_rn(xv, cs[w][col], acc[w]);
-        }
-        __syncthreads();  // before the next chunk overwrites the tiles
+      for (int w = 0; w < kTileGroup; ++w) acc[r][w] = T(0);
+    }
+    for (int64_t t0 = 0; t0 < d; t0 += C) {
+      const int width = static_cast<int>(imin(C, d - t0));
+      for (int e = threadIdx.x; e < kTilePoints * C; e += kThreads) {
+        const int r = e / C, col = e - r * C;
+        const int64_t row = i0 + r;
+        xs[r][col] = (row < n && col < width) ? x[row * d + t0 + col] : T(0);
       }
-      if (i < n) {
+      for (int e = threadIdx.x; e < kTileCentroids * C; e += kThreads) {
+        const int w = e / C, col = e - w * C;
+        const int64_t j = j0 + w;
+        cs[w][col] = (j < k && col < width) ? c[j * d + t0 + col] : T(0);
+      }
+      __syncthreads();
+      for (int col = 0; col < width; ++col) {
+        T xv[kPointsPerThread], cv[kTileGroup];
 #pragma unroll
-        for (int w = 0; w < kTileGroup; ++w) {
-          if (j0 + w < k) out[i * k + j0 + w] = sqdist_value(xnorm[i], cnorm[j0 + w], static_cast<double>(acc[w]));
+        for (int r = 0; r < kPointsPerThread; ++r) xv[r] = xs[lane + 32 * r][col];
+#pragma unroll
+        for (int w = 0; w < kTileGroup; ++w) cv[w] = cs[group * kTileGroup + w][col];
+#pragma unroll
+        for (int r = 0; r < kPointsPerThread; ++r) {
+#pragma unroll
+          for (int w = 0; w < kTileGroup; ++w) acc[r][w] = fma_rn(xv[r], cv[w], acc[r][w]);
         }
+      }
+      __syncthreads();  // before the next chunk overwrites the tiles
+    }
+#pragma unroll
+    for (int r = 0; r < kPointsPerThread; ++r) {
+      const int64_t i = i0 + lane + 32 * r;
+      if (i >= n) continue;
+#pragma unroll
+      for (int w = 0; w < kTileGroup; ++w) {
+        const int64_t j = j0 + group * kTileGroup + w;
+        if (j < k) out[i * k + j] = sqdist_value(xnorm[i], cnorm[j], static_cast<double>(acc[r][w]));
       }
     }
   }
@@ -509,7 +534,8 @@ void launch_sqdist(Ctx& ctx, const T* x, const double* xn, int64_t n, int64_t d,
     sqdist_row_kernel<T, L><<<blocks_for(n, kWarpsPerBlock), kThreads, 0, ctx.stream>>>(x, xn, n, d, c, cn, out);
     CK_LAUNCH("sqdist_row_kernel");
   } else {
-    sqdist_tile_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream>>>(x, xn, n, d, c, cn, k, out);
+    const int64_t tiles = (n + kTilePoints - 1) / kTilePoints * ((k + kTileCentroids - 1) / kTileCentroids);
+    sqdist_tile_kernel<T><<<blocks_for(tiles, 1), kThreads, 0, ctx.stream>>>(x, xn, n, d, c, cn, k, out);
     CK_LAUNCH("sqdist_tile_kernel");
   }
 }
