@@ -319,7 +319,9 @@ def _demangle(names: list[str]) -> dict[str, str]:
         pretty = names
     if len(pretty) != len(names):
         pretty = names
-    return {n: re.sub(r"\(.*$", "", p) for n, p in zip(names, pretty, strict=True)}
+    # Without the parameter list; "(anonymous namespace)::" goes first, or the cut would end the name there.
+    return {n: re.sub(r"\(.*$", "", p.replace("(anonymous namespace)::", "")) for n, p in zip(names, pretty,
+                                                                                          strict=True)}
 
 
 def cuda_sources() -> list[Path]:
@@ -373,7 +375,8 @@ def cuda_report(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dic
         futures = [None if c.exists() else pool.submit(_nvcc_one, nvcc, src, arch, c) for src, arch, c in todo]
         for (_, _, cached), fut in zip(todo, futures, strict=True):
             rows += json.loads(cached.read_text()) if fut is None else fut.result()
-    return rows
+    names = _demangle(sorted({r["function"] for r in rows}))  # cached rows get today's readable names too
+    return [{**r, "name": names[r["function"]]} for r in rows]
 
 
 # --------------------------------------------------------------------------------------------------
