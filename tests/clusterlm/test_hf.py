@@ -258,6 +258,14 @@ trainer.train()
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 with open(f"{sys.argv[1]}/rank{args.process_index}.json", "w") as f:
     json.dump({"seen": trainer.seen, "world_size": args.world_size, "losses": losses}, f)
+# The Trainer leaves its gloo group up: a rank exiting with it while the peer still runs its last collective
+# aborts ("terminate called without an active exception"). Release what holds it, meet, then take it down.
+import gc
+import torch.distributed as dist
+del trainer
+gc.collect()
+dist.barrier()
+dist.destroy_process_group()
 '''
 
 
