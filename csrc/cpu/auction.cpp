@@ -148,10 +148,16 @@ std::vector<int64_t> count_objects(const int32_t* obj, int64_t n, int64_t m) {
   return counts;
 }
 
-// Units of each object over all ranks.
-std::vector<int64_t> global_counts(const Block& b, const int32_t* obj, int64_t m) {
+// Units of each object over all ranks; with `tally`, that per-rank count is summed over the ranks too, in the same
+// collective.
+std::vector<int64_t> global_counts(const Block& b, const int32_t* obj, int64_t m, int64_t* tally = nullptr) {
   std::vector<int64_t> counts = count_objects(obj, b.n, m);
+  if (tally) counts.push_back(*tally);
   b.comm.sum(counts);
+  if (tally) {
+    *tally = counts.back();
+    counts.pop_back();
+  }
   return counts;
 }
 
@@ -253,6 +259,16 @@ class SecondCache {
     if (own_[i] != own || stamp_[i] < dropped_ || (a >= 0 && changed_[a] > stamp_[i])) return false;
     *sc = sc_[i];
     return true;
+  }
+  // Unit i's exact cheapest cost(o) over the m options other than `own`: the cached value, or a scan (then cached).
+  template <class Cost>
+  double value(int64_t i, int64_t own, int64_t m, Cost cost) {
+    double sc;
+    if (!get(i, own, &sc)) {
+      const int64_t arg = cheapest_except(m, own, cost, &sc);  // before put reads sc
+      put(i, own, arg, sc);
+    }
+    return sc;
   }
 
  private:
@@ -389,7 +405,7 @@ class FloorAuction {
  public:
   FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
       : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), own_(b.n), gap_(b.n),
-        regret_(b.n), second_(b.n, b.k) {
+        regret_(b.n), second_(b.n, b.k), heap_(b.k) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -518,11 +534,8 @@ class FloorAuction {
       second_.put(i, obj_[i], t);
     }
     check_bids(bad, "floor_auction");
-    counts_ = count_objects(obj_, b_.n, b_.k);
-    counts_.push_back(inexact);  // summed over the ranks with the counts: one collective
-    b_.comm.sum(counts_);
-    exact_ = counts_.back() == 0;
-    counts_.pop_back();
+    counts_ = global_counts(b_, obj_, b_.k, &inexact);
+    exact_ = inexact == 0;
   }
 
   // Phase start: the first phase from the exact argmin, later ones move only the points that violate the
@@ -608,21 +621,15 @@ class FloorAuction {
     return es_.eps_final / 4.0 + 16.0 * DBL_EPSILON * pmax;
   }
 
-  // Row i's exact cheapest other cost sc (with prices) while it is in cluster j, cached in second_.
+  // Row i's exact cheapest other cost sc (with prices) while it is in cluster j.
   double second_cost(int64_t i, int64_t j) {
-    double sc;
-    if (!second_.get(i, j, &sc)) {
-      const double* Di = row(i);
-      const int64_t arg = cheapest_except(b_.k, j, [&](int64_t c) { return Di[c] + p_[c]; }, &sc);
-      second_.put(i, j, arg, sc);
-    }
-    return sc;
+    const double* Di = row(i);
+    return second_.value(i, j, b_.k, [&](int64_t c) { return Di[c] + p_[c]; });
   }
 
   // The heaps of the clusters in `over` not built yet in this phase: their members (one pass over the
   // labels for all of them) keyed at the current prices.
   void build_heaps(const std::vector<int64_t>& over) {
-    if (heap_.size() != static_cast<size_t>(b_.k)) heap_.resize(b_.k);
     if (key_.size() != static_cast<size_t>(b_.n)) key_.resize(b_.n);
     std::vector<int64_t> slot(b_.k, -1), fresh;
     for (int64_t j : over) {
@@ -820,7 +827,6 @@ class DummyAuction {
     return best_two(m_, [&](int64_t o) { return cost(i, o); });
   }
 
-
   // Whether every dummy sits in an object priced exactly as the cheapest dummy-capable one.
   bool dummies_exact() const {
     const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
@@ -866,11 +872,7 @@ class DummyAuction {
     group_rows(b_.n, static_cast<int64_t>(over.size()), [&](int64_t i) {
       const int64_t o = obj_[i];
       if (slot[o] < 0) return int64_t{-1};
-      double sc;
-      if (!second_.get(i, o, &sc)) {
-        const int64_t arg = cheapest_except(m_, o, [&](int64_t q) { return cost(i, q); }, &sc);
-        second_.put(i, o, arg, sc);
-      }
+      const double sc = second_.value(i, o, m_, [&](int64_t q) { return cost(i, q); });
       regret_[i] = sc - (own_[i] + p_[o]);  // cost(i, o) without reading the scattered row
       return slot[o];
     }, members_);
@@ -995,11 +997,8 @@ class DummyAuction {
       second_.put(i, obj_[i], t);
     }
     check_bids(bad, "auction_assign");
-    real_ = count_objects(obj_.data(), b_.n, m_);
-    real_.push_back(inexact);  // summed over the ranks with the counts: one collective
-    b_.comm.sum(real_);
-    exact_ = real_.back() == 0;
-    real_.pop_back();
+    real_ = global_counts(b_, obj_.data(), m_, &inexact);
+    exact_ = inexact == 0;
     std::fill(lb_.begin(), lb_.end(), -kInf);
     const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
     for (int64_t o = 0; o < m_; ++o) {

@@ -77,23 +77,23 @@ struct DefaultInitAllocator : std::allocator<T> {
   DefaultInitAllocator() = default;
   template <class U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  static bool large(size_t count) { return count * sizeof(T) >= 2 * kHugePage; }
   T* allocate(size_t count) {
+    if (!large(count)) return std::allocator<T>::allocate(count);
     const size_t bytes = count * sizeof(T);
-    constexpr size_t kHuge = size_t{2} << 20;
-    if (bytes < 2 * kHuge) return std::allocator<T>::allocate(count);
     void* p = nullptr;
-    if (posix_memalign(&p, kHuge, bytes) != 0) throw std::bad_alloc();
+    if (posix_memalign(&p, kHugePage, bytes) != 0) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without transparent huge pages nothing changes
 #endif
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t count) {
-    if (count * sizeof(T) < 2 * (size_t{2} << 20)) {
+    if (large(count))
+      free(p);
+    else
       std::allocator<T>::deallocate(p, count);
-      return;
-    }
-    free(p);
   }
   template <class U>
   void construct(U* p) noexcept {
@@ -712,6 +712,7 @@ struct Step {
                 std::vector<int64_t>& new_labels, std::vector<double>& own, int64_t& rounds) {
     to_T(cent, k, d, ct, cn);
     const int64_t* prev = labels.empty() ? nullptr : labels.data();
+    summed = false;
     if (unconstrained) {
       nearest(prep.x, prep.xnorm.data(), n, d, ct.data(), cn.data(), k, blas, prev, new_labels.data(),
               own.data(), own_prev.data(), &sums);
@@ -760,7 +761,6 @@ Run lloyd(Step<T>& step, std::vector<double> cent, const KMeansParams& p) {
   std::vector<int64_t> new_labels(step.n);
   std::vector<double> own(step.n);
   for (r.n_iter = 1; r.n_iter <= p.max_iter; ++r.n_iter) {
-    step.summed = false;
     const double cost = step.assign(cent, prices, r.labels, new_labels, own, r.rounds);
     const bool same = !r.labels.empty() && new_labels == r.labels;
     const double improved = r.history.empty() ? kInf : r.history.back() - cost;
