@@ -372,20 +372,27 @@ void nearest(const T* x, const double* xnorm, int64_t n, int64_t d, const T* c, 
   }
 }
 
-// |v|^2 in double over kNormLanes lane accumulators written out in the source (vectorised without reassociation,
-// so the result does not depend on the SIMD width; a single running sum would be a d-long dependency chain).
+// The sum of term(t) over t < d in double, over kNormLanes lane accumulators written out in the source (vectorised
+// without reassociation, so the result does not depend on the SIMD width; a single running sum would be a d-long
+// dependency chain), combined pairwise in a fixed order.
 constexpr int kNormLanes = 8;
-template <typename T>
-double row_sqnorm(const T* v, int64_t d) {
+template <class Term>
+inline double lane_sum(int64_t d, Term term) {
   double acc[kNormLanes] = {};
   int64_t t = 0;
   for (; t + kNormLanes <= d; t += kNormLanes)
-    for (int l = 0; l < kNormLanes; ++l) acc[l] += static_cast<double>(v[t + l]) * static_cast<double>(v[t + l]);
+    for (int l = 0; l < kNormLanes; ++l) acc[l] += term(t + l);
   double tail = 0.0;
-  for (; t < d; ++t) tail += static_cast<double>(v[t]) * static_cast<double>(v[t]);
+  for (; t < d; ++t) tail += term(t);
   for (int w = kNormLanes / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
   return acc[0] + tail;
+}
+
+// |v|^2 in double.
+template <typename T>
+double row_sqnorm(const T* v, int64_t d) {
+  return lane_sum(d, [v](int64_t t) { return static_cast<double>(v[t]) * static_cast<double>(v[t]); });
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -671,12 +678,10 @@ double exact_own_distances(const Prepared<T>& p, int64_t n, int64_t d, const std
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = p.x + i * d;
     const double* c = cent.data() + labels[i] * d;
-    double s = 0.0;
-    for (int64_t t = 0; t < d; ++t) {
+    own[i] = lane_sum(d, [xi, c](int64_t t) {
       const double diff = static_cast<double>(xi[t]) - c[t];
-      s += diff * diff;
-    }
-    own[i] = s;
+      return diff * diff;
+    });
   }
   return chunked_sum(n, [&](int64_t i) { return own[i]; });
 }
