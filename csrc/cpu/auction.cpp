@@ -161,56 +161,50 @@ std::vector<int64_t> global_counts(const Block& b, const int32_t* obj, int64_t m
   return counts;
 }
 
-// The cheapest option other than `exclude` among cost(o), o in [0, m) (the lowest index wins ties); -1 if none.
-template <class Cost>
-inline int64_t cheapest_except(int64_t m, int64_t exclude, Cost cost, double* best_cost) {
-  int64_t best = -1;
-  double bc = kInf;
-  for (int64_t o = 0; o < m; ++o) {
-    if (o == exclude) continue;
-    const double c = cost(o);
-    if (c < bc) {
-      bc = c;
-      best = o;
-    }
-  }
-  *best_cost = bc;
-  return best;
-}
-
-// The two cheapest options of a point: cost(o) for o in [0, m); best (lowest index on ties) and the cheapest
-// other than best (second, -1 when m == 1). The same values as two best-of scans, in one pass.
-struct Two {
-  int64_t best = -1, second = -1;
-  double bc = kInf, sc = kInf;
+// The three cheapest options of a point: cost(o) for o in [0, m), in order (the lowest index first on equal
+// costs; -1 and +inf where m is smaller). best and bc are what a best-of scan gives; second and sc the cheapest
+// other than best.
+struct Three {
+  int64_t best = -1, second = -1, third = -1;
+  double bc = kInf, sc = kInf, tc = kInf;
 };
 template <class Cost>
-inline Two best_two(int64_t m, Cost cost) {
-  Two t;
+inline Three best_three(int64_t m, Cost cost) {
+  Three t;
   for (int64_t o = 0; o < m; ++o) {
     const double c = cost(o);
-    if (c < t.bc) {
-      t.sc = t.bc;
-      t.second = t.best;
-      t.bc = c;
-      t.best = o;
-    } else if (c < t.sc) {
-      t.sc = c;
-      t.second = o;
+    if (c < t.sc) {
+      t.tc = t.sc;
+      t.third = t.second;
+      if (c < t.bc) {
+        t.sc = t.bc;
+        t.second = t.best;
+        t.bc = c;
+        t.best = o;
+      } else {
+        t.sc = c;
+        t.second = o;
+      }
+    } else if (c < t.tc) {
+      t.tc = c;
+      t.third = o;
     }
   }
   return t;
 }
 
 // Per unit, the cheapest cost over the options other than its own (the "second cost" of a regret), with the
-// option giving it, the unit's option then and the tick it was taken at. Prices change by ticks; an entry
-// stays exact while the unit keeps that option, the option giving the value keeps its price and no price has
-// dropped anywhere (a rise elsewhere cannot lower the minimum; a drop could). The cached value is then the
-// very double a fresh scan would give (the same sums, the same minimum), so it saves rounds their O(m) scans
-// of members whose regret did not change without changing any result.
+// option giving it (arg), the unit's option then and the tick it was taken at, plus a lower bound of the costs
+// of the options other than those two (at first the third cheapest cost). Prices change by ticks. An entry is
+// exact while the unit keeps its option, arg keeps its price and no price has dropped anywhere (a rise
+// elsewhere cannot lower the minimum; a drop could). When only arg's price changed, arg's new cost still is the
+// minimum if it lies below the bound, which holds while no price drops: one cost instead of a scan. The value
+// given is then the very double a fresh scan gives (the same sums, the same minimum, the lowest index on equal
+// costs), so the cache saves O(m) scans without changing any result.
 class SecondCache {
  public:
-  SecondCache(int64_t n, int64_t m) : sc_(n), arg_(n, -1), own_(n, -1), stamp_(n, 0), changed_(m, 0) {}
+  SecondCache(int64_t n, int64_t m)
+      : sc_(n), sc3_(n), arg_(n, -1), own_(n, -1), stamp_(n, 0), changed_(m, 0) {}
 
   // Option o's price goes from before to after (serial code only).
   void price(int64_t o, double before, double after) {
@@ -218,45 +212,72 @@ class SecondCache {
     changed_[o] = ++tick_;
     if (after < before) dropped_ = tick_;
   }
-  void put(int64_t i, int64_t own, const Two& t) {
-    const bool best_is_own = t.best == own;
-    sc_[i] = best_is_own ? t.sc : t.bc;
-    arg_[i] = static_cast<int32_t>(best_is_own ? t.second : t.best);
-    put_at(i, own);
-  }
-  void put(int64_t i, int64_t own, int64_t arg, double sc) {
-    sc_[i] = sc;
-    arg_[i] = static_cast<int32_t>(arg);
-    put_at(i, own);
-  }
-  // Option j's price drops from before to after (serial code; col: j's cost for every unit). The entries
-  // that were exact take j's new cost into account and stay exact: one pass instead of losing them all.
-  void lowered(int64_t j, double before, double after, const double* col) {
-    if (!(after < before)) {
-      price(j, before, after);
-      return;
+  // Unit i, in option own, with the three cheapest options t (at the current prices).
+  void put(int64_t i, int64_t own, const Three& t) {
+    if (t.best == own) {
+      sc_[i] = t.sc;
+      arg_[i] = static_cast<int32_t>(t.second);
+      sc3_[i] = t.tc;
+    } else {
+      sc_[i] = t.bc;
+      arg_[i] = static_cast<int32_t>(t.best);
+      sc3_[i] = t.second == own ? t.tc : t.sc;
     }
-    const int64_t before_tick = changed_[j];  // j's last change before this one
+    own_[i] = static_cast<int32_t>(own);
+    stamp_[i] = tick_;
+  }
+  // The options `js` (distinct) had their prices lowered since the last call, and nothing read the cache in
+  // between (serial code; cost(i, j): unit i's cost for option j at j's new price). The entries take those new
+  // costs into account and stay usable: one pass for a whole batch of drops (a phase start's reverse steps)
+  // instead of losing every entry. An exact entry whose arg is in `js` keeps arg as the cheapest of the others
+  // (a drop only lowers it), so the fresh costs of `js` decide; an entry that was not exact only lowers its bound.
+  template <class Cost>
+  void lowered(const std::vector<int64_t>& js, Cost cost) {
+    if (js.empty()) return;
     const int64_t t = ++tick_;
-    changed_[j] = t;
     const int64_t n = static_cast<int64_t>(sc_.size());
+    const int64_t nj = static_cast<int64_t>(js.size());
+    std::vector<char> dropped(changed_.size(), 0);
+    for (int64_t j : js) dropped[j] = 1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = arg_[i];
-      if (own_[i] < 0 || own_[i] == j || stamp_[i] < dropped_ ||
-          (a >= 0 && (a == j ? before_tick : changed_[a]) > stamp_[i]))
-        continue;  // no entry, one that leaves j out, or one that was no longer exact before this drop
-      const double v = col[i] + after;
-      if (v < sc_[i] || (v == sc_[i] && j < a)) {  // the lowest index among equal costs, as a scan gives
-        sc_[i] = v;
-        arg_[i] = static_cast<int32_t>(j);
+      const int64_t own = own_[i], a = arg_[i];
+      if (own < 0 || stamp_[i] < dropped_) continue;  // no entry, or one a drop elsewhere has voided
+      const bool exact = a < 0 || changed_[a] <= stamp_[i];
+      int64_t arg = a;
+      double best = exact ? (a >= 0 && dropped[a] ? cost(i, a) : sc_[i]) : kInf;
+      double bound = sc3_[i];
+      for (int64_t e = 0; e < nj; ++e) {
+        const int64_t j = js[e];
+        if (j == own || j == a) continue;
+        const double v = cost(i, j);
+        if (exact && (v < best || (v == best && j < arg))) {  // the lowest index among equal costs, as a scan
+          bound = std::min(bound, best);
+          best = v;
+          arg = j;
+        } else {
+          bound = std::min(bound, v);
+        }
       }
+      sc3_[i] = bound;
+      if (!exact) continue;
+      sc_[i] = best;
+      arg_[i] = static_cast<int32_t>(arg);
       stamp_[i] = t;
     }
+    for (int64_t j : js) changed_[j] = t;
   }
-  bool get(int64_t i, int64_t own, double* sc) const {
+  // Unit i's cached second cost while in option own, if it is known (cost(o): option o's cost at its price now).
+  template <class Cost>
+  bool get(int64_t i, int64_t own, double* sc, Cost cost) {
+    if (own_[i] != own || stamp_[i] < dropped_) return false;
     const int64_t a = arg_[i];
-    if (own_[i] != own || stamp_[i] < dropped_ || (a >= 0 && changed_[a] > stamp_[i])) return false;
+    if (a >= 0 && changed_[a] > stamp_[i]) {
+      const double v = cost(a);  // only arg's price changed: its cost now, the others are at least sc3_
+      if (!(v < sc3_[i])) return false;
+      sc_[i] = v;
+      stamp_[i] = tick_;
+    }
     *sc = sc_[i];
     return true;
   }
@@ -264,19 +285,15 @@ class SecondCache {
   template <class Cost>
   double value(int64_t i, int64_t own, int64_t m, Cost cost) {
     double sc;
-    if (!get(i, own, &sc)) {
-      const int64_t arg = cheapest_except(m, own, cost, &sc);  // before put reads sc
-      put(i, own, arg, sc);
+    if (!get(i, own, &sc, cost)) {
+      put(i, own, best_three(m, cost));
+      sc = sc_[i];
     }
     return sc;
   }
 
  private:
-  void put_at(int64_t i, int64_t own) {
-    own_[i] = static_cast<int32_t>(own);
-    stamp_[i] = tick_;
-  }
-  std::vector<double> sc_;
+  std::vector<double> sc_, sc3_;
   std::vector<int32_t> arg_, own_;
   std::vector<int64_t> stamp_, changed_;
   int64_t tick_ = 0, dropped_ = 0;
@@ -405,7 +422,7 @@ class FloorAuction {
  public:
   FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
       : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), own_(b.n), gap_(b.n),
-        regret_(b.n), second_(b.n, b.k), heap_(b.k) {
+        regret_(b.n), second_(b.n, b.k), pending_(b.k, 0), heap_(b.k) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -454,11 +471,13 @@ class FloorAuction {
   // own_[i]: the cost row(i)[obj_[i]] (without price), kept with obj_; cols_: the costs column-major (k, n),
   // made at the first reverse step (empty before, or when the block is above kMaxColumnCopy entries). A
   // reverse step then reads two contiguous arrays instead of two entries of every cost row.
-  std::vector<double>& cols_;  // the caller's buffer (AuctionState::columns), valid once have_cols_
+  RawVector<double>& cols_;  // the caller's buffer (AuctionState::columns), valid once have_cols_
   bool have_cols_ = false;
   std::vector<double> own_, gap_, regret_;
   std::vector<std::vector<int64_t>> members_;
   SecondCache second_;
+  std::vector<int64_t> lowered_;  // clusters whose price a reverse step lowered since the last flush_lowered
+  std::vector<char> pending_;     // pending_[j]: j is in lowered_
   // Per cluster j, a min-heap of its members keyed by (sc - own) at the time the key was taken (sc: the
   // cheapest other cluster's cost with price). Within a phase prices only rise, so a stored key is a lower
   // bound of the member's key now, and its regret now, sc - (own + p_j), is at least key - p_j less rounding
@@ -470,14 +489,18 @@ class FloorAuction {
     double key;
     int64_t row;
   };
-  static bool entry_after(const Entry& a, const Entry& b) { return a.key > b.key || (a.key == b.key && a.row > b.row); }
+  // The heaps' order, as a type (not a function pointer) so that the heap operations inline it.
+  struct EntryAfter {
+    bool operator()(const Entry& a, const Entry& b) const { return a.key > b.key || (a.key == b.key && a.row > b.row); }
+  };
+  static constexpr EntryAfter entry_after{};
   std::vector<std::vector<Entry>> heap_;
   std::vector<char> built_;
   std::vector<double> key_;  // a popped candidate's fresh key
 
-  Two cheapest_two(int64_t i) const {
+  Three cheapest_three(int64_t i) const {
     const double* Di = row(i);
-    return best_two(b_.k, [&](int64_t j) { return Di[j] + p_[j]; });
+    return best_three(b_.k, [&](int64_t j) { return Di[j] + p_[j]; });
   }
 
   void set_price(int64_t j, double v) {
@@ -505,12 +528,13 @@ class FloorAuction {
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
+    flush_lowered();
     bool bad = false;
     int64_t inexact = 0;  // points left above their exact best (within eps of it)
 #pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
     for (int64_t i = 0; i < b_.n; ++i) {
       double sc;
-      if (only_violators && second_.get(i, obj_[i], &sc)) {
+      if (only_violators && second_.get(i, obj_[i], &sc, [&](int64_t c) { return row(i)[c] + p_[c]; })) {
         // The cheapest other cluster is known exactly: no scan unless the point moves.
         const double own = own_[i] + p_[obj_[i]];  // own_[i] is row(i)[obj_[i]]
         if (!(own > sc + eps_)) {
@@ -518,7 +542,7 @@ class FloorAuction {
           continue;
         }
       }
-      const Two t = cheapest_two(i);
+      const Three t = cheapest_three(i);
       const int64_t best = t.best;
       const double bc = t.bc;
       if (best < 0) {
@@ -561,9 +585,23 @@ class FloorAuction {
         }
         pull(j);
       }
-      if (!changed) return;
+      if (!changed) break;
       if (pass >= 4 * b_.k) bid_all(false);
     }
+    flush_lowered();
+  }
+
+  // The price drops of this phase start's reverse steps reach the second-cost cache, in one pass over the
+  // rows, before anything reads it again (bid_all, rounds).
+  void flush_lowered() {
+    if (lowered_.empty()) return;
+    if (have_cols_) {
+      second_.lowered(lowered_, [&](int64_t i, int64_t j) { return cols_[j * b_.n + i] + p_[j]; });
+    } else {
+      second_.lowered(lowered_, [&](int64_t i, int64_t j) { return row(i)[j] + p_[j]; });
+    }
+    for (int64_t j : lowered_) pending_[j] = 0;
+    lowered_.clear();
   }
 
   // Reverse step of the under-full cluster j: the points with the smallest extra cost (gap) come, and
@@ -600,10 +638,9 @@ class FloorAuction {
       obj_[cand[e]] = static_cast<int32_t>(j);
       own_[cand[e]] = row(cand[e])[j];
     }
-    if (col) {
-      second_.lowered(j, pj, p_[j], col);
-    } else {
-      second_.price(j, pj, p_[j]);
+    if (p_[j] < pj && !pending_[j]) {  // the cache learns of the drop at flush_lowered
+      pending_[j] = 1;
+      lowered_.push_back(j);
     }
     b_.comm.sum(left);
     for (int64_t o = 0; o < b_.k; ++o) {
@@ -721,7 +758,7 @@ class FloorAuction {
     bool bad = false;
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
-      const Two t = cheapest_two(moved[e]);
+      const Three t = cheapest_three(moved[e]);
       bad = bad || t.best < 0;
       obj_[moved[e]] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
       own_[moved[e]] = row(moved[e])[obj_[moved[e]]];
@@ -763,7 +800,7 @@ class DummyAuction {
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad)
     for (int64_t i = 0; i < b.n; ++i) {
-      const Two t = cheapest_two(i);
+      const Three t = cheapest_three(i);
       bad = bad || t.best < 0;
       obj_[i] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
       set_own(i);
@@ -823,8 +860,8 @@ class DummyAuction {
   double cost(int64_t i, int64_t o) const { return b_.D[i * b_.k + ob_.cluster[o]] + p_[o]; }
   void set_own(int64_t i) { own_[i] = b_.D[i * b_.k + ob_.cluster[obj_[i]]]; }
 
-  Two cheapest_two(int64_t i) const {
-    return best_two(m_, [&](int64_t o) { return cost(i, o); });
+  Three cheapest_three(int64_t i) const {
+    return best_three(m_, [&](int64_t o) { return cost(i, o); });
   }
 
   // Whether every dummy sits in an object priced exactly as the cheapest dummy-capable one.
@@ -951,7 +988,7 @@ class DummyAuction {
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t i = moved[e];
-      const Two t = cheapest_two(i);
+      const Three t = cheapest_three(i);
       bad = bad || t.best < 0;
       obj_[i] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
       set_own(i);
@@ -982,7 +1019,7 @@ class DummyAuction {
     int64_t inexact = 0;  // units left above their exact best (within eps of it)
 #pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
     for (int64_t i = 0; i < b_.n; ++i) {
-      const Two t = cheapest_two(i);
+      const Three t = cheapest_three(i);
       if (t.best < 0) {
         bad = true;
         continue;

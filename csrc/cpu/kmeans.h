@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu/blas.h"
+#include "cpu/raw_vector.h"
 
 namespace cluster_kernels {
 
@@ -64,8 +65,9 @@ struct AuctionState {
   std::vector<double> general_prices;  // the general problem, one per object (mandatory/optional part)
   bool used_general = false;           // whether the last call needed the general auction
   // Scratch of the floor auction (its column-major copy of the costs), kept between calls so that a Lloyd loop
-  // faults its pages in once, not on every iteration.
-  std::vector<double> columns;
+  // faults its pages in once, not on every iteration; a RawVector, so those pages are huge pages and resize()
+  // leaves them unwritten (the copy writes them all).
+  RawVector<double> columns;
 };
 
 // Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
