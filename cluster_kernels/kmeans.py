@@ -80,7 +80,7 @@ from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable f
 from cluster_kernels._selfcheck import kmeans_backend
 
 EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
-EPS_WARM = 1e-3  # warm-start eps (prices kept from the previous Lloyd iteration)
+EPS_WARM = 1e-2  # warm-start eps (prices kept from the previous Lloyd iteration); see BENCHMARKS.md (issue 22)
 EPS_FINAL = 1e-10  # final eps, as a fraction of the cost range (float64 costs)
 EPS_SHRINK = 8.0
 MAX_ROUNDS = 1_000_000  # internal safety net; the auction terminates long before

@@ -18,7 +18,7 @@ namespace cluster_kernels {
 // Auction constants: fractions of the cost range (mirrors EPS_* in cluster_kernels/kmeans.py).
 struct AuctionParams {
   double eps_start = 0.1;    // cold-start eps
-  double eps_warm = 1e-3;    // eps when prices are warm-started from the previous Lloyd iteration
+  double eps_warm = 1e-2;    // eps when prices are warm-started from the previous Lloyd iteration
   double eps_final = 1e-10;  // last phase's eps (float64 costs)
   double eps_shrink = 8.0;   // eps divisor per phase
   int64_t max_rounds = 1000000;  // safety net; reaching it is an internal error
