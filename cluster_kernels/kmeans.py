@@ -25,7 +25,11 @@ from the previous Lloyd iteration — down to ``EPS_FINAL``, all relative to the
    full; the same eviction rounds apply (dummies are evicted first on equal regret).
 
 Both end with every point within eps of its cheapest cluster, so the assignment costs at most
-``OPT + (n + dummies) * eps_final``: the LP optimum in practice (the tests compare with HiGHS).
+``OPT + (n + dummies) * eps_final``: the LP optimum in practice (the tests compare with HiGHS). The floor
+auction also certifies: once eps is at most ``EPS_CERTIFY`` of the cost range, after each phase it looks for
+prices under which its labels are exactly optimal (:func:`_exact_prices_ref`: difference constraints between
+the clusters, Bellman-Ford); when they exist the labels are the LP optimum exactly, those prices are kept for
+the next warm start, and the remaining phases, which could only confirm it, are skipped.
 
 Lloyd iterations alternate this assignment with the centroid update (cluster means; renormalised
 for ``metric="cosine"``); the previous labels stay when the new assignment would not lower the
@@ -83,6 +87,7 @@ EPS_START = 0.1  # cold-start eps, as a fraction of the cost range
 EPS_WARM = 1e-2  # warm-start eps (prices kept from the previous Lloyd iteration); see BENCHMARKS.md (issue 22)
 EPS_FINAL = 1e-10  # final eps, as a fraction of the cost range (float64 costs)
 EPS_SHRINK = 8.0
+EPS_CERTIFY = 1e-4  # from this eps on, the floor auction checks after each phase whether its labels are optimal
 MAX_ROUNDS = 1_000_000  # internal safety net; the auction terminates long before
 N_LOCAL_TRIALS_BASE = 2
 
@@ -143,13 +148,53 @@ def _cheapest_dummy_object(prices: np.ndarray, dummy_ok: np.ndarray, exclude: in
     return best
 
 
-def _eps_schedule(dist: torch.Tensor, prices: np.ndarray, warm: bool) -> tuple[float, float]:
-    """(first eps, final eps) relative to the largest per-point cost range (as csrc/cpu/kmeans.cpp)."""
+def _eps_schedule(dist: torch.Tensor, prices: np.ndarray, warm: bool) -> tuple[float, float, float]:
+    """(first eps, final eps, span): eps relative to the largest per-point cost range, the span (as
+    csrc/cpu/auction.cpp)."""
     cost_span = float((dist.max(dim=1).values - dist.min(dim=1).values).max()) if dist.shape[0] else 0.0
     span = cost_span if cost_span > 0 else 1.0
     pmax = float(np.abs(prices).max()) if len(prices) else 0.0
     eps_final = max(EPS_FINAL * span, 64 * np.finfo(np.float64).eps * (float(dist.abs().max()) + pmax + span))
-    return max((EPS_WARM if warm else EPS_START) * span, eps_final), eps_final
+    return max((EPS_WARM if warm else EPS_START) * span, eps_final), eps_final, span
+
+
+def _exact_prices_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray, eps: float,
+                      obj: torch.Tensor) -> np.ndarray | None:
+    """The floor auction's certificate after a phase: exact prices for the labels ``obj``, or None.
+
+    The labels (no cluster above its cap) are optimal, exactly, iff prices ``x >= 0`` with ``x[j] = 0`` below
+    the cap exist under which every point sits at its exact argmin of ``dist + x``: difference constraints on
+    ``y = x - prices``, ``y[a] - y[b] <= (dist[i, b] + p[b]) - (dist[i, a] + p[a])`` for the points i of a, solved
+    by Bellman-Ford (Jacobi sweeps from ``y = 0``; a node T holds the bounds). Only the pairs whose smallest such
+    difference lies below the reach ``2 (k + 1) eps`` are used; the others cannot bind when no ``y`` fell by the
+    reach, which is checked. None when a negative cycle remains (the labels are not optimal) or that check fails.
+    Mirrors csrc/cpu/auction_objects.h, exact_prices.
+    """
+    n, k = dist.shape
+    reach = 2.0 * float(k + 1) * eps
+    p_t = torch.as_tensor(prices, device=dist.device)
+    gap = (dist + p_t) - (dist.gather(1, obj[:, None]) + p_t[obj][:, None])
+    gap[torch.arange(n, device=dist.device), obj] = math.inf
+    gap = torch.where(gap < reach, gap, torch.full_like(gap, math.inf))
+    slack = torch.full((k, k), math.inf, dtype=torch.float64, device=dist.device)
+    slack.scatter_reduce_(0, obj[:, None].expand(n, k), gap, reduce="amin")
+    slack = slack.cpu().numpy()
+    counts = np.bincount(obj.cpu().numpy(), minlength=k)
+    below = counts < hi
+    y = np.zeros(k + 1)  # y[k]: the node T of the bounds
+    for _ in range(k + 2):
+        nxt = y.copy()
+        nxt[:k] = np.minimum(nxt[:k], (y[None, :k] + slack).min(axis=1))
+        nxt[k] = min(nxt[k], float((y[:k] + prices).min()))
+        nxt[:k][below] = np.minimum(nxt[:k][below], y[k] - prices[below])
+        if np.array_equal(nxt, y):
+            break
+        y = nxt
+    else:
+        return None
+    if not -y.min() < reach:
+        return None
+    return (prices + y[:k]) - y[k]
 
 
 def _floor_pull_ref(dist: torch.Tensor, obj: torch.Tensor, counts: np.ndarray, prices: np.ndarray, j: int, r: int,
@@ -239,7 +284,7 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
     k = dist.shape[1]
     warm = prices is not None and len(prices) == k
     prices = prices.astype(np.float64).copy() if warm else np.zeros(k)
-    eps, eps_final = _eps_schedule(dist, prices, warm)
+    eps, eps_final, span = _eps_schedule(dist, prices, warm)
     hi_t = torch.as_tensor(hi, device=dist.device)
     obj = _floor_start_ref(dist, hi, prices, eps, None)
     rounds = 0
@@ -255,6 +300,11 @@ def _floor_auction_ref(dist: torch.Tensor, hi: np.ndarray, prices: np.ndarray | 
             prices = _floor_round_ref(dist, hi, prices, eps, obj, over, counts)
         if eps <= eps_final:
             break
+        if eps <= EPS_CERTIFY * span:
+            exact = _exact_prices_ref(dist, hi, prices, eps, obj)
+            if exact is not None:
+                prices = exact
+                break
         eps = max(eps / EPS_SHRINK, eps_final)
         obj = _floor_start_ref(dist, hi, prices, eps, obj)
     return obj, prices, rounds
@@ -349,7 +399,7 @@ def _dummy_auction_ref(
     warm = prices is not None and len(prices) == m
     prices = prices.astype(np.float64).copy() if warm else np.zeros(m)
     ocl = torch.as_tensor(objs.cluster, device=dev)
-    eps, eps_final = _eps_schedule(dist, prices, warm)
+    eps, eps_final, _ = _eps_schedule(dist, prices, warm)
     cap = objs.cap
     dummies = np.zeros(m, dtype=np.int64)
     n_dummy = int(hi.sum()) - n

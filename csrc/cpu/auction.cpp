@@ -343,7 +343,7 @@ EpsSchedule eps_schedule(const Block& b, const std::vector<double>& prices, bool
   }
   // Below a few ulps of the costs, eps increments would vanish and the auction would never end.
   const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (amax + pmax + span));
-  return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final};
+  return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final, span};
 }
 
 // Per group g, the t[g]-th smallest key and how many local keys lie at or below it.
@@ -438,6 +438,7 @@ class FloorAuction {
       while (round()) {
       }
       if (eps_ <= es_.eps_final) break;
+      if (eps_ <= ap_.eps_certify * es_.span && certified()) break;
       eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
       start(false);
     }
@@ -647,6 +648,44 @@ class FloorAuction {
       counts_[o] -= left[o];
       counts_[j] += left[o];
     }
+  }
+
+  // After a phase: whether the labels are already optimal, exactly (auction_objects.h, exact_prices); if so the
+  // prices become the exact ones and the later phases, which could only confirm it, are skipped. Only the pairs
+  // (own cluster, other cluster) with a reduced cost difference below the reach 2 (k + 1) eps can matter, so a
+  // point whose cached regret is at least that reads no row.
+  bool certified() {
+    const int64_t k = b_.k;
+    const double reach = 2.0 * static_cast<double>(k + 1) * eps_;
+    std::vector<double> slack(static_cast<size_t>(k * k), kInf);
+#pragma omp parallel
+    {
+      std::vector<double> local(static_cast<size_t>(k * k), kInf);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < b_.n; ++i) {
+        const int64_t a = obj_[i];
+        const double* Di = row(i);
+        const double own = own_[i] + p_[a];  // own_[i] is Di[a]
+        double sc;
+        if (second_.get(i, a, &sc, [&](int64_t c) { return Di[c] + p_[c]; }) && !(sc - own < reach)) continue;
+        double* la = local.data() + a * k;
+        for (int64_t c = 0; c < k; ++c) {
+          const double g = (Di[c] + p_[c]) - own;
+          if (c != a && g < reach && g < la[c]) la[c] = g;
+        }
+      }
+#pragma omp critical
+      for (size_t e = 0; e < slack.size(); ++e) slack[e] = std::min(slack[e], local[e]);  // a min: any order
+    }
+    if (b_.comm.distributed()) {  // the minimum over the ranks, as a maximum of the negated values
+      for (double& v : slack) v = -v;
+      b_.comm.max(slack);
+      for (double& v : slack) v = -v;
+    }
+    std::vector<double> exact;
+    if (!auction::exact_prices(k, slack, p_, counts_, hi_, reach, exact)) return false;
+    p_ = exact;
+    return true;
   }
 
   // Largest rounding difference between a member's regret sc - (own + p_j) and key - p_j, key = sc - own, over

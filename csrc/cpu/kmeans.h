@@ -21,6 +21,8 @@ struct AuctionParams {
   double eps_warm = 1e-2;    // eps when prices are warm-started from the previous Lloyd iteration
   double eps_final = 1e-10;  // last phase's eps (float64 costs)
   double eps_shrink = 8.0;   // eps divisor per phase
+  double eps_certify = 1e-4; // from this eps on, the floor auction checks after each phase whether its labels are
+                             // already optimal (auction_objects.h, exact_prices) and then ends
   int64_t max_rounds = 1000000;  // safety net; reaching it is an internal error
   bool force_general = false;    // tests: skip the floor auction and run the general one
 };

@@ -20,6 +20,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
@@ -44,6 +45,30 @@ __global__ void argmin_kernel(const double* __restrict__ D, int64_t n, int64_t k
   for (int64_t i = thread_index(); i < n; i += thread_stride()) {
     double bc;
     obj[i] = best_object(D + i * k, cl, prices, m, -1, &bc);
+  }
+}
+
+// A 64-bit key per double that orders as the double (negative values included): an integer atomicMin then takes
+// the double minimum, the same whatever the order of the updates.
+__device__ __forceinline__ unsigned long long ordered_key(double v) {
+  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(v));
+  return (b >> 63) ? ~b : (b | 0x8000000000000000ULL);
+}
+
+// The floor auction's certificate (FloorAuction::certified of auction.cpp): per pair (own cluster a, other
+// cluster c), the smallest reduced cost difference (D[i, c] + p[c]) - (D[i, a] + p[a]) below `reach`, as
+// ordered keys (out starts at the key of +inf).
+__global__ void slack_kernel(const double* __restrict__ D, int64_t n, int64_t k, const double* __restrict__ prices,
+                             const int* __restrict__ obj, double reach, unsigned long long* __restrict__ out) {
+  for (int64_t i = thread_index(); i < n; i += thread_stride()) {
+    const double* Di = D + i * k;
+    const int a = obj[i];
+    const double own = __dadd_rn(Di[a], prices[a]);
+    for (int64_t c = 0; c < k; ++c) {
+      if (c == a) continue;
+      const double g = __dsub_rn(__dadd_rn(Di[c], prices[c]), own);
+      if (g < reach) atomicMin(out + a * k + c, ordered_key(g));
+    }
   }
 }
 
@@ -285,7 +310,8 @@ AuctionGpu::AuctionGpu(Ctx& ctx, int64_t n, int64_t k)
       take_(ctx.alloc<int64_t>(mcap_)),
       nsel_(ctx.alloc<int64_t>(1)),
       pull_last_(ctx.alloc<double>(1)),
-      pull_cnt_(ctx.alloc<int64_t>(1)) {
+      pull_cnt_(ctx.alloc<int64_t>(1)),
+      slack_(ctx.alloc<unsigned long long>(static_cast<size_t>(k * k))) {
   fill_iota(ctx, iota_.data(), n);
   std::vector<int> id(k);
   std::iota(id.begin(), id.end(), 0);
@@ -327,7 +353,7 @@ EpsSchedule AuctionGpu::eps_schedule(const std::vector<double>& prices, bool war
   for (double p : prices) pmax = std::max(pmax, std::fabs(p));
   // Below a few ulps of the costs, eps increments would vanish and the auction would never end.
   const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (amax_ + pmax + span));
-  return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final};
+  return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final, span};
 }
 
 void AuctionGpu::upload_prices(const std::vector<double>& prices) {
@@ -445,6 +471,27 @@ std::vector<int64_t> AuctionGpu::move_to(int j, int64_t pulled) {
   return histogram(ctx_, hist_, moved_.data(), pulled, m_);
 }
 
+std::vector<double> AuctionGpu::reduced_slack(double reach) {
+  const size_t kk = static_cast<size_t>(k_ * k_);
+  const double inf = std::numeric_limits<double>::infinity();
+  unsigned long long inf_bits;
+  std::memcpy(&inf_bits, &inf, sizeof inf_bits);
+  std::vector<unsigned long long> keys(kk, inf_bits | 0x8000000000000000ULL);  // ordered_key(+inf)
+  ctx_.to_device(slack_.data(), keys.data(), kk);
+  slack_kernel<<<blocks_for(n_), kThreads, 0, ctx_.stream>>>(D_, n_, k_, prices_.data(), obj_.data(), reach,
+                                                              slack_.data());
+  CK_LAUNCH("slack_kernel");
+  ctx_.to_host(keys.data(), slack_.data(), kk);
+  ctx_.sync();
+  std::vector<double> out(kk);
+  for (size_t e = 0; e < kk; ++e) {
+    const unsigned long long key = keys[e];
+    const unsigned long long b = (key >> 63) ? (key & 0x7FFFFFFFFFFFFFFFULL) : ~key;
+    std::memcpy(&out[e], &b, sizeof b);
+  }
+  return out;
+}
+
 void AuctionGpu::write_labels(int* labels) {
   map_kernel<<<blocks_for(n_), kThreads, 0, ctx_.stream>>>(obj_.data(), cl_, n_, labels);
   CK_LAUNCH("map_kernel");
@@ -477,6 +524,7 @@ class FloorAuction {
       while (round()) {
       }
       if (eps_ <= es_.eps_final) break;
+      if (eps_ <= ap_.eps_certify * es_.span && certified()) break;
       eps_ = std::max(eps_ / ap_.eps_shrink, es_.eps_final);
       start(false);
     }
@@ -484,6 +532,18 @@ class FloorAuction {
   }
 
  private:
+  // After a phase: whether the labels are already optimal (FloorAuction::certified of auction.cpp); the prices
+  // then become the exact ones.
+  bool certified() {
+    const double reach = 2.0 * static_cast<double>(k_ + 1) * eps_;
+    a_.upload_prices(p_);
+    const std::vector<double> slack = a_.reduced_slack(reach);
+    std::vector<double> exact;
+    if (!auction::exact_prices(k_, slack, p_, counts_, hi_, reach, exact)) return false;
+    p_ = exact;
+    return true;
+  }
+
   // Every price 0 and no cluster over its cap after the first phase start: the exact argmin, optimal; the later
   // phases would change nothing (as FloorAuction::at_free_argmin of auction.cpp).
   bool at_free_argmin() const {

@@ -56,6 +56,9 @@ class AuctionGpu {
   std::vector<int64_t> move_to(int j, int64_t pulled);
   // labels[i] = cluster of point i's object.
   void write_labels(int* labels);
+  // The floor auction's certificate: per pair (own cluster a, other cluster b), a * k + b, the smallest reduced
+  // cost difference at the device prices below `reach` (+inf where none); the objects must be the clusters.
+  std::vector<double> reduced_slack(double reach);
 
  private:
   Ctx& ctx_;
@@ -73,6 +76,7 @@ class AuctionGpu {
   DevArray<int64_t> seg_off_, take_, nsel_;
   DevArray<double> pull_last_;
   DevArray<int64_t> pull_cnt_;
+  DevArray<unsigned long long> slack_;  // (k, k) ordered keys of reduced_slack
 
   const double* D_ = nullptr;  // the cost matrix of the current assign()
   const int* cl_ = nullptr;    // cluster of each object of the current auction

@@ -19,7 +19,7 @@ from test_distributed import ThreadComm, run_threads
 
 import cluster_kernels._collectives as coll
 from cluster_kernels import _backend
-from cluster_kernels.kmeans import assign_ref
+from cluster_kernels.kmeans import _exact_prices_ref, assign_ref
 
 C = _backend.native()
 pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")
@@ -132,3 +132,57 @@ def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
             np.testing.assert_array_equal(p["floor_prices"], one["floor_prices"])
             np.testing.assert_array_equal(p["general_prices"], one["general_prices"])
             rank_prices[r] = (p["floor_prices"], p["general_prices"])
+
+
+def _cap_instance(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n, k = 400 + 31 * seed, 5 + seed
+    lo, hi = _bounds("cap", n, k, seed)
+    return _lloyd_like_costs(seed, n, k, 1, ties=False)[0], lo, hi
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_certificate_gives_exact_prices_for_optimal_labels(seed):
+    # The floor auction ends early when its labels are already optimal: exact_prices (csrc/cpu/auction_objects.h,
+    # _exact_prices_ref) must then return prices under which every point sits at its exact argmin, with
+    # positive prices on full clusters only (complementary slackness with no eps).
+    cost, lo, hi = _cap_instance(seed)
+    labels, state, _ = assign_ref(torch.from_numpy(cost), lo, hi)
+    span = float((cost.max(1) - cost.min(1)).max())
+    exact = _exact_prices_ref(torch.from_numpy(cost), hi, state["floor"], 1e-6 * span, labels)
+    assert exact is not None
+    reduced = cost + exact
+    rows = np.arange(len(cost))
+    assert (reduced[rows, labels.numpy()] <= reduced.min(1) + 1e-12 * span).all()
+    sizes = np.bincount(labels.numpy(), minlength=len(hi))
+    assert (exact >= 0).all() and (exact[sizes < hi] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_certificate_refuses_labels_that_are_not_optimal(seed):
+    # Two points of clusters a and b swapped where that costs more: the cycle a -> b -> a is negative, so no
+    # prices exist, whatever the prices given and however far the reach goes.
+    cost, lo, hi = _cap_instance(seed)
+    labels, state, _ = assign_ref(torch.from_numpy(cost), lo, hi)
+    lab = labels.numpy().copy()
+    i = int(np.flatnonzero(lab == lab[0])[0])
+    j = int(np.flatnonzero(lab != lab[0])[0])
+    a, b = lab[i], lab[j]
+    assert cost[i, b] + cost[j, a] > cost[i, a] + cost[j, b]  # the optimum is unique on these costs
+    lab[i], lab[j] = b, a
+    span = float((cost.max(1) - cost.min(1)).max())
+    assert _exact_prices_ref(torch.from_numpy(cost), hi, state["floor"], span, torch.from_numpy(lab)) is None
+
+
+def test_native_warm_sequences_end_with_exact_prices():
+    # On costs without ties every warm-started step here is certified (its labels are optimal once eps is below
+    # EPS_CERTIFY of the span): the native prices are then exact, not within eps_final of it.
+    n, k = 3000, 12
+    lo, hi = _bounds("cap", n, k, 0)
+    prices = (None, None)
+    rows = np.arange(n)
+    for cost in _lloyd_like_costs(5, n, k, 4, ties=False):
+        got = _native_step(cost, lo, hi, prices)
+        prices = (got["floor_prices"], got["general_prices"])
+        reduced = cost + got["floor_prices"]
+        span = float((cost.max(1) - cost.min(1)).max())
+        assert (reduced[rows, got["labels"]] <= reduced.min(1) + 1e-12 * span).all()
