@@ -510,6 +510,13 @@ class FloorAuction {
   }
 
   const double* row(int64_t i) const { return b_.D + i * b_.k; }
+  // Rows are read in data-dependent order (heap pops, member and eviction lists): asking for one a few steps
+  // ahead overlaps its memory latency with the work on the current one.
+  static constexpr size_t kPrefetchAhead = 4;
+  void prefetch_row(int64_t i) const {
+    const char* r = reinterpret_cast<const char*>(row(i));
+    for (int64_t off = 0; off < b_.k * static_cast<int64_t>(sizeof(double)); off += 64) __builtin_prefetch(r + off);
+  }
 
   // Column j of the costs (null when there is no column-major copy).
   const double* column(int64_t j) {
@@ -721,7 +728,11 @@ class FloorAuction {
       const int64_t j = fresh[f];
       auto& h = heap_[j];
       h.clear();
-      for (int64_t i : members_[f]) h.push_back({second_cost(i, j) - own_[i], i});
+      const auto& mem = members_[f];
+      for (size_t e = 0; e < mem.size(); ++e) {
+        if (e + kPrefetchAhead < mem.size()) prefetch_row(mem[e + kPrefetchAhead]);
+        h.push_back({second_cost(mem[e], j) - own_[mem[e]], mem[e]});
+      }
       std::make_heap(h.begin(), h.end(), entry_after);
     }
   }
@@ -739,6 +750,7 @@ class FloorAuction {
       std::pop_heap(h.begin(), h.end(), entry_after);
       const int64_t i = h.back().row;
       h.pop_back();
+      if (!h.empty()) prefetch_row(h.front().row);  // the likely next pop: its row arrives while this one is read
       const double sc = second_cost(i, j);
       key_[i] = sc - own_[i];
       regret_[i] = sc - (own_[i] + pj);  // own_[i] is row(i)[j]
@@ -797,6 +809,7 @@ class FloorAuction {
     bool bad = false;
 #pragma omp parallel for schedule(static) if (nm > 4096) reduction(|| : bad)
     for (int64_t e = 0; e < nm; ++e) {
+      if (e + static_cast<int64_t>(kPrefetchAhead) < nm) prefetch_row(moved[e + kPrefetchAhead]);
       const Three t = cheapest_three(moved[e]);
       bad = bad || t.best < 0;
       obj_[moved[e]] = static_cast<int32_t>(t.best < 0 ? 0 : t.best);
