@@ -422,7 +422,7 @@ class FloorAuction {
  public:
   FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
       : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), own_(b.n), gap_(b.n),
-        regret_(b.n), second_(b.n, b.k), pending_(b.k, 0), heap_(b.k) {
+        regret_(b.n), second_(b.n, b.k), heap_(b.k), key_(b.n) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -478,7 +478,6 @@ class FloorAuction {
   std::vector<std::vector<int64_t>> members_;
   SecondCache second_;
   std::vector<int64_t> lowered_;  // clusters whose price a reverse step lowered since the last flush_lowered
-  std::vector<char> pending_;     // pending_[j]: j is in lowered_
   // Per cluster j, a min-heap of its members keyed by (sc - own) at the time the key was taken (sc: the
   // cheapest other cluster's cost with price). Within a phase prices only rise, so a stored key is a lower
   // bound of the member's key now, and its regret now, sc - (own + p_j), is at least key - p_j less rounding
@@ -536,7 +535,6 @@ class FloorAuction {
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
-    flush_lowered();
     bool bad = false;
     int64_t inexact = 0;  // points left above their exact best (within eps of it)
 #pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
@@ -600,7 +598,9 @@ class FloorAuction {
   }
 
   // The price drops of this phase start's reverse steps reach the second-cost cache, in one pass over the
-  // rows, before anything reads it again (bid_all, rounds).
+  // rows, before anything reads it again (the rounds, the certificate, the next phase start's bid_all). Reverse
+  // steps are the only price drops, and they read the cache not at all; a bid_all among them rewrites every
+  // entry at the current prices, which the pass then leaves as it is.
   void flush_lowered() {
     if (lowered_.empty()) return;
     if (have_cols_) {
@@ -608,7 +608,6 @@ class FloorAuction {
     } else {
       second_.lowered(lowered_, [&](int64_t i, int64_t j) { return row(i)[j] + p_[j]; });
     }
-    for (int64_t j : lowered_) pending_[j] = 0;
     lowered_.clear();
   }
 
@@ -646,10 +645,8 @@ class FloorAuction {
       obj_[cand[e]] = static_cast<int32_t>(j);
       own_[cand[e]] = row(cand[e])[j];
     }
-    if (p_[j] < pj && !pending_[j]) {  // the cache learns of the drop at flush_lowered
-      pending_[j] = 1;
-      lowered_.push_back(j);
-    }
+    if (p_[j] < pj && std::find(lowered_.begin(), lowered_.end(), j) == lowered_.end())
+      lowered_.push_back(j);  // the cache learns of the drop at flush_lowered
     b_.comm.sum(left);
     for (int64_t o = 0; o < b_.k; ++o) {
       counts_[o] -= left[o];
@@ -659,11 +656,11 @@ class FloorAuction {
 
   // After a phase: whether the labels are already optimal, exactly (auction_objects.h, exact_prices); if so the
   // prices become the exact ones and the later phases, which could only confirm it, are skipped. Only the pairs
-  // (own cluster, other cluster) with a reduced cost difference below the reach 2 (k + 1) eps can matter, so a
+  // (own cluster, other cluster) with a reduced cost difference below the reach (certify_reach) can matter, so a
   // point whose cached regret is at least that reads no row.
   bool certified() {
     const int64_t k = b_.k;
-    const double reach = 2.0 * static_cast<double>(k + 1) * eps_;
+    const double reach = auction::certify_reach(k, eps_);
     std::vector<double> slack(static_cast<size_t>(k * k), kInf);
 #pragma omp parallel
     {
@@ -713,7 +710,6 @@ class FloorAuction {
   // The heaps of the clusters in `over` not built yet in this phase: their members (one pass over the
   // labels for all of them) keyed at the current prices.
   void build_heaps(const std::vector<int64_t>& over) {
-    if (key_.size() != static_cast<size_t>(b_.n)) key_.resize(b_.n);
     std::vector<int64_t> slot(b_.k, -1), fresh;
     for (int64_t j : over) {
       if (built_[j]) continue;

@@ -76,13 +76,17 @@ struct EpsSchedule {
 
 // The floor auction's certificate (cluster_kernels/kmeans.py, _exact_prices_ref). After a phase, with prices p
 // and the current labels, slack[a * k + b] is the smallest reduced cost difference (D[i, b] + p[b]) - (D[i, a] +
-// p[a]) over the points i of cluster a, kept only where it is below `reach` (+inf elsewhere); counts are the
+// p[a]) over the points i of cluster a, kept only where it is below `reach` (certify_reach; +inf elsewhere); counts are the
 // cluster sizes. The labels are optimal (exactly, not within eps) iff prices x with x >= 0, x[j] = 0 where
 // counts[j] < hi[j] and every point at its exact argmin of D + x exist: difference constraints on y = x - p,
 // solved by Bellman-Ford from y = 0 over the clusters and a node T for the bounds (Jacobi sweeps, so the result
 // does not depend on any order). The pairs left out (slack >= reach) cannot bind when every y decreased by less
 // than reach. Returns false (x untouched) when a negative cycle remains or that check fails; otherwise x are the
 // exact prices.
+// How far below zero the certificate looks: after a phase every point is within eps of its best, so no price
+// moves by more than (k + 1) eps along a path of the K + 1 nodes; twice that leaves room for rounding.
+inline double certify_reach(int64_t k, double eps) { return 2.0 * static_cast<double>(k + 1) * eps; }
+
 inline bool exact_prices(int64_t k, const std::vector<double>& slack, const std::vector<double>& p,
                          const std::vector<int64_t>& counts, const int64_t* hi, double reach, std::vector<double>& x) {
   const double inf = std::numeric_limits<double>::infinity();

@@ -49,10 +49,17 @@ __global__ void argmin_kernel(const double* __restrict__ D, int64_t n, int64_t k
 }
 
 // A 64-bit key per double that orders as the double (negative values included): an integer atomicMin then takes
-// the double minimum, the same whatever the order of the updates.
-__device__ __forceinline__ unsigned long long ordered_key(double v) {
-  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(v));
+// the double minimum, the same whatever the order of the updates. key_double inverts it (on the host).
+__host__ __device__ __forceinline__ unsigned long long ordered_key(double v) {
+  unsigned long long b;
+  memcpy(&b, &v, sizeof b);
   return (b >> 63) ? ~b : (b | 0x8000000000000000ULL);
+}
+inline double key_double(unsigned long long key) {
+  const unsigned long long b = (key >> 63) ? (key & 0x7FFFFFFFFFFFFFFFULL) : ~key;
+  double v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
 }
 
 // The floor auction's certificate (FloorAuction::certified of auction.cpp): per pair (own cluster a, other
@@ -473,10 +480,7 @@ std::vector<int64_t> AuctionGpu::move_to(int j, int64_t pulled) {
 
 std::vector<double> AuctionGpu::reduced_slack(double reach) {
   const size_t kk = static_cast<size_t>(k_ * k_);
-  const double inf = std::numeric_limits<double>::infinity();
-  unsigned long long inf_bits;
-  std::memcpy(&inf_bits, &inf, sizeof inf_bits);
-  std::vector<unsigned long long> keys(kk, inf_bits | 0x8000000000000000ULL);  // ordered_key(+inf)
+  std::vector<unsigned long long> keys(kk, ordered_key(std::numeric_limits<double>::infinity()));
   ctx_.to_device(slack_.data(), keys.data(), kk);
   slack_kernel<<<blocks_for(n_), kThreads, 0, ctx_.stream>>>(D_, n_, k_, prices_.data(), obj_.data(), reach,
                                                               slack_.data());
@@ -484,11 +488,7 @@ std::vector<double> AuctionGpu::reduced_slack(double reach) {
   ctx_.to_host(keys.data(), slack_.data(), kk);
   ctx_.sync();
   std::vector<double> out(kk);
-  for (size_t e = 0; e < kk; ++e) {
-    const unsigned long long key = keys[e];
-    const unsigned long long b = (key >> 63) ? (key & 0x7FFFFFFFFFFFFFFFULL) : ~key;
-    std::memcpy(&out[e], &b, sizeof b);
-  }
+  for (size_t e = 0; e < kk; ++e) out[e] = key_double(keys[e]);
   return out;
 }
 
@@ -535,7 +535,7 @@ class FloorAuction {
   // After a phase: whether the labels are already optimal (FloorAuction::certified of auction.cpp); the prices
   // then become the exact ones.
   bool certified() {
-    const double reach = 2.0 * static_cast<double>(k_ + 1) * eps_;
+    const double reach = auction::certify_reach(k_, eps_);
     a_.upload_prices(p_);
     const std::vector<double> slack = a_.reduced_slack(reach);
     std::vector<double> exact;
