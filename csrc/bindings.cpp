@@ -84,6 +84,8 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
   r["n_iter"] = out.n_iter;
   r["converged"] = out.converged;
   r["auction_rounds"] = out.auction_rounds;
+  r["auction_pulls"] = out.auction.pulls;
+  r["auction_pull_scans"] = out.auction.pull_scans;
   const ck::PhaseTimes& ph = out.seconds;
   py::dict seconds;
   seconds["prepare"] = ph.prepare;
@@ -217,6 +219,8 @@ py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, co
   r["used_general"] = state.used_general;
   r["floor_prices"] = to_numpy(state.floor_prices, {static_cast<py::ssize_t>(state.floor_prices.size())});
   r["general_prices"] = to_numpy(state.general_prices, {static_cast<py::ssize_t>(state.general_prices.size())});
+  r["pulls"] = state.stats.pulls;
+  r["pull_scans"] = state.stats.pull_scans;
   return r;
 }
 

@@ -33,6 +33,13 @@ constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 // (2^24 entries: 128 MiB, e.g. n = 262 144 at k = 64); above it they read the rows, so a distributed rank of
 // n = 500 000 rows and one process of 10^6 hold no second n x k float64 array. Results are the same either way.
 constexpr int64_t kMaxColumnCopy = int64_t{1} << 24;
+// Fewest rows a reverse step's scan keeps for the next reverse steps of the same cluster (FloorAuction::KeptPull):
+// most pull a handful of points, and a few hundred rows cost little to re-read.
+constexpr int64_t kKeptPull = 256;
+constexpr int64_t kKeptPullMost = 4096;
+// A reverse step re-reads the rows moved since its cluster's last scan while they are at most 1/kMovedReread of
+// the rows; beyond, it scans again.
+constexpr int64_t kMovedReread = 16;
 
 // Raised after a parallel loop that found a point with no finite cost: never expected once the costs are
 // checked (eps_schedule), so an internal error rather than a memory error.
@@ -421,8 +428,8 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
 class FloorAuction {
  public:
   FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
-      : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), own_(b.n), gap_(b.n),
-        regret_(b.n), second_(b.n, b.k), heap_(b.k), key_(b.n) {
+      : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), stats_(state.stats),
+        own_(b.n), gap_(b.n), regret_(b.n), second_(b.n, b.k), heap_(b.k), key_(b.n), kept_(b.k), seen_(b.n, 0) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
     es_ = eps_schedule(b, p_, warm, ap);
@@ -473,6 +480,7 @@ class FloorAuction {
   // made at the first reverse step (empty before, or when the block is above kMaxColumnCopy entries). A
   // reverse step then reads two contiguous arrays instead of two entries of every cost row.
   RawVector<double>& cols_;  // the caller's buffer (AuctionState::columns), valid once have_cols_
+  AuctionStats& stats_;
   bool have_cols_ = false;
   std::vector<double> own_, gap_, regret_;
   std::vector<std::vector<int64_t>> members_;
@@ -535,34 +543,44 @@ class FloorAuction {
 
   // Every point takes its cheapest cluster (only_violators: only those more than eps above it).
   void bid_all(bool only_violators) {
+    if (!only_violators) forget_pulls();  // every point moves: nothing a reverse step kept still bounds anything
     bool bad = false;
     int64_t inexact = 0;  // points left above their exact best (within eps of it)
-#pragma omp parallel for schedule(static) reduction(|| : bad) reduction(+ : inexact)
-    for (int64_t i = 0; i < b_.n; ++i) {
-      double sc;
-      if (only_violators && second_.get(i, obj_[i], &sc, [&](int64_t c) { return row(i)[c] + p_[c]; })) {
-        // The cheapest other cluster is known exactly: no scan unless the point moves.
-        const double own = own_[i] + p_[obj_[i]];  // own_[i] is row(i)[obj_[i]]
-        if (!(own > sc + eps_)) {
-          inexact += own > sc;
+    std::vector<std::vector<int64_t>> moved;  // per thread, the points that changed cluster (only_violators)
+#pragma omp parallel reduction(|| : bad) reduction(+ : inexact)
+    {
+#pragma omp single
+      moved.resize(team_size());
+      std::vector<int64_t>& mine = moved[thread_id()];
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < b_.n; ++i) {
+        double sc;
+        if (only_violators && second_.get(i, obj_[i], &sc, [&](int64_t c) { return row(i)[c] + p_[c]; })) {
+          // The cheapest other cluster is known exactly: no scan unless the point moves.
+          const double own = own_[i] + p_[obj_[i]];  // own_[i] is row(i)[obj_[i]]
+          if (!(own > sc + eps_)) {
+            inexact += own > sc;
+            continue;
+          }
+        }
+        const Three t = cheapest_three(i);
+        const int64_t best = t.best;
+        const double bc = t.bc;
+        if (best < 0) {
+          bad = true;
           continue;
         }
+        if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) {
+          if (only_violators) mine.push_back(i);
+          obj_[i] = static_cast<int32_t>(best);
+          own_[i] = row(i)[best];
+        } else {
+          inexact += row(i)[obj_[i]] + p_[obj_[i]] > bc;
+        }
+        second_.put(i, obj_[i], t);
       }
-      const Three t = cheapest_three(i);
-      const int64_t best = t.best;
-      const double bc = t.bc;
-      if (best < 0) {
-        bad = true;
-        continue;
-      }
-      if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) {
-        obj_[i] = static_cast<int32_t>(best);
-        own_[i] = row(i)[best];
-      } else {
-        inexact += row(i)[obj_[i]] + p_[obj_[i]] > bc;
-      }
-      second_.put(i, obj_[i], t);
     }
+    for (const auto& m : moved) moved_.insert(moved_.end(), m.begin(), m.end());
     check_bids(bad, "floor_auction");
     counts_ = global_counts(b_, obj_, b_.k, &inexact);
     exact_ = inexact == 0;
@@ -619,13 +637,15 @@ class FloorAuction {
     const double* col = column(j);
     members_.resize(1);
     std::vector<int64_t>& cand = members_[0];
-    // Only this rank's r smallest gaps can be among the r smallest of all ranks.
-    smallest_candidates(b_.n, r, gap_.data(), [&](int64_t i, double* v) {
+    auto gap = [&](int64_t i, double* v) {
       const int64_t o = obj_[i];
       if (o == j) return false;
       *v = ((col ? col[i] : row(i)[j]) + pj) - (own_[i] + p_[o]);
       return true;
-    }, cand);
+    };
+    // Only this rank's r smallest gaps can be among the r smallest of all ranks.
+    ++stats_.pulls;
+    if (!kept_candidates(j, r, gap, cand)) scan_candidates(j, r, gap, cand);
     const Threshold th = select_smallest(b_, gap_.data(), members_, {r});
     int64_t pulled = th.count[0];
     const double drop = th.val[0] + eps_;
@@ -644,6 +664,7 @@ class FloorAuction {
       ++left[obj_[cand[e]]];
       obj_[cand[e]] = static_cast<int32_t>(j);
       own_[cand[e]] = row(cand[e])[j];
+      moved_.push_back(cand[e]);
     }
     if (p_[j] < pj && std::find(lowered_.begin(), lowered_.end(), j) == lowered_.end())
       lowered_.push_back(j);  // the cache learns of the drop at flush_lowered
@@ -652,6 +673,96 @@ class FloorAuction {
       counts_[o] -= left[o];
       counts_[j] += left[o];
     }
+  }
+
+  // The reverse steps pull from the same few full clusters again and again (a chain of clusters with positive
+  // prices passing points along until one with room takes them), each time a few points, and so do the next
+  // phase starts. A row that kept its cluster o since a scan for j has its gap changed by exactly the change of
+  // p_j less that of p_o; so every row the scan did not keep still has a gap of at least the scan's bound plus
+  // the change of p_j less the largest rise of another price (within one phase start prices only drop: no rise).
+  // The kept rows, plus the rows moved since (read again), then hold this rank's r smallest gaps as long as the
+  // r-th of them lies below that bound. Same candidates, same selection: the labels and prices of a scan.
+  struct KeptPull {
+    std::vector<int64_t> rows;   // rows outside j at the scan (or moved since), the smallest gaps then
+    double bound = kInf;         // every other row's gap at the scan, at least (kInf: there were no others)
+    std::vector<double> prices;  // p_ at the scan
+    size_t mark = 0;             // moved_.size() at the scan: rows moved after it are read again
+    bool valid = false;
+    int64_t keep = kKeptPull;    // rows the next scan keeps, at least; grows each time the kept ones did not suffice
+  };
+  std::vector<KeptPull> kept_;
+  std::vector<int64_t> moved_;  // rows that changed cluster since the last bid_all(false), in order (repeats allowed)
+  std::vector<int64_t> seen_;   // per row, the last pull (pull_tick_) that took it as a candidate
+  int64_t pull_tick_ = 0;
+
+  void forget_pulls() {
+    for (auto& c : kept_) c.valid = false;
+    moved_.clear();
+  }
+
+  // Candidates for j from the scan kept for it, if they provably hold this rank's r smallest gaps (then true,
+  // cand and gap_ as a scan would leave them, up to order and rows beyond the r smallest).
+  template <class Gap>
+  bool kept_candidates(int64_t j, int64_t r, Gap gap, std::vector<int64_t>& cand) {
+    KeptPull& kp = kept_[j];
+    // Past kMovedReread rows moved since, reading them costs more than a scan.
+    if (!kp.valid || moved_.size() - kp.mark > static_cast<size_t>(b_.n / kMovedReread)) return false;
+    double rise = 0.0;  // the largest rise of another cluster's price since the scan
+    for (int64_t o = 0; o < b_.k; ++o)
+      if (o != j) rise = std::max(rise, p_[o] - kp.prices[o]);
+    const double bound = kp.bound + (p_[j] - kp.prices[j]) - rise - rounding_margin();
+    if (!(bound > -kInf)) return false;
+    cand.clear();
+    ++pull_tick_;
+    auto take = [&](int64_t i) {
+      if (seen_[i] == pull_tick_) return;
+      seen_[i] = pull_tick_;
+      if (gap(i, &gap_[i])) cand.push_back(i);
+    };
+    for (int64_t i : kp.rows) take(i);
+    for (size_t e = kp.mark; e < moved_.size(); ++e) take(moved_[e]);
+    if (kp.bound < kInf) {
+      // The r-th smallest gap among the candidates must lie below every other row's gap now.
+      int64_t below = 0;
+      for (int64_t i : cand) below += gap_[i] < bound;
+      if (below < r) {
+        kp.keep = std::min(2 * kp.keep, kKeptPullMost);  // the next scan keeps more
+        return false;
+      }
+      // From here on `bound` is the bound and these prices its prices: the candidates at or above it go, like
+      // the rows never kept, and the rows moved so far are read.
+      kp.rows.clear();
+      for (int64_t i : cand)
+        if (gap_[i] < bound) kp.rows.push_back(i);
+      kp.bound = bound;
+      kp.prices = p_;
+    } else {
+      kp.rows = cand;
+    }
+    kp.mark = moved_.size();
+    return true;
+  }
+
+  // Candidates for j from every row: this rank's r smallest gaps and more, kept for j's next reverse steps
+  // (kept_candidates).
+  template <class Gap>
+  void scan_candidates(int64_t j, int64_t r, Gap gap, std::vector<int64_t>& cand) {
+    ++stats_.pull_scans;
+    KeptPull& kp = kept_[j];
+    const int64_t keep = std::max<int64_t>(2 * r, kp.keep);
+    smallest_candidates(b_.n, keep, gap_.data(), gap, cand);
+    kp.bound = kInf;
+    if (static_cast<int64_t>(cand.size()) >= keep) {  // else no thread pruned: cand holds every row outside j
+      std::nth_element(cand.begin(), cand.begin() + (keep - 1), cand.end(), [&](int64_t a, int64_t c) {
+        return gap_[a] < gap_[c] || (gap_[a] == gap_[c] && a < c);
+      });
+      kp.bound = gap_[cand[keep - 1]];
+      cand.resize(keep);
+    }
+    kp.rows = cand;
+    kp.prices = p_;
+    kp.mark = moved_.size();
+    kp.valid = true;
   }
 
   // After a phase: whether the labels are already optimal, exactly (auction_objects.h, exact_prices); if so the
@@ -813,6 +924,7 @@ class FloorAuction {
       second_.put(moved[e], obj_[moved[e]], t);
     }
     check_bids(bad, "floor_auction");
+    moved_.insert(moved_.end(), moved.begin(), moved.end());
     std::vector<int64_t> came(b_.k, 0);
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t i = moved[e], j = obj_[i];

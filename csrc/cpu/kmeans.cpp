@@ -706,6 +706,7 @@ struct Run {
   int n_iter = 0;
   bool converged = false;
   int64_t rounds = 0;
+  AuctionStats auction;
 };
 
 // The Lloyd loop of one restart from the centroids `cent` (prepared frame).
@@ -732,6 +733,7 @@ Run lloyd(Step<T>& step, std::vector<double> cent, const KMeansParams& p) {
   }
   if (r.n_iter > p.max_iter) r.n_iter = p.max_iter;
   r.cent = std::move(cent);
+  r.auction = prices.stats;
   return r;
 }
 
@@ -801,6 +803,7 @@ KMeansOutput capacity_kmeans_cpu(const T* x, int64_t n, int64_t d, const int64_t
       best.n_iter = r.n_iter;
       best.converged = r.converged;
       best.auction_rounds = r.rounds;
+      best.auction = r.auction;
       best_cent = std::move(r.cent);
     }
   }

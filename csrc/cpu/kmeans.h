@@ -49,6 +49,12 @@ struct PhaseTimes {
   double finish = 0.0;     // exact own distances of the final labels
 };
 
+// What the floor auction did, summed over calls (benchmarks and tests read it; no result depends on it).
+struct AuctionStats {
+  int64_t pulls = 0;       // reverse steps
+  int64_t pull_scans = 0;  // reverse steps that read every row (the others re-read the rows kept by an earlier one)
+};
+
 struct KMeansOutput {
   std::vector<int64_t> labels;      // (n,)
   std::vector<double> centroids;    // (k, d), in the caller's frame (mean added back)
@@ -58,6 +64,7 @@ struct KMeansOutput {
   int n_iter = 0;
   bool converged = false;
   int64_t auction_rounds = 0;       // total over the best restart
+  AuctionStats auction;             // the best restart's
   PhaseTimes seconds;               // over all restarts
 };
 
@@ -70,6 +77,7 @@ struct AuctionState {
   // faults its pages in once, not on every iteration; a RawVector, so those pages are huge pages and resize()
   // leaves them unwritten (the copy writes them all).
   RawVector<double> columns;
+  AuctionStats stats;
 };
 
 // Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
