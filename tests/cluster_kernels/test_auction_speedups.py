@@ -2,7 +2,8 @@
 
 csrc/cpu/auction.cpp stops an auction once every point sits at its exact argmin with nothing over capacity
 (the later eps phases would move nothing), keeps each point's second-cheapest cost between rounds while the
-prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection,
+prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection (re-reading only the rows an
+earlier scan for the same cluster kept, while a bound allows),
 and builds member lists in parallel. None of that may change a label, a price or a round count: these tests
 run warm-started sequences of assignments (as Lloyd iterations do, where the shortcuts matter most) and compare
 every step with the float64 reference, which runs every phase, across thread counts and across ranks.
@@ -186,3 +187,27 @@ def test_native_warm_sequences_end_with_exact_prices():
         reduced = cost + got["floor_prices"]
         span = float((cost.max(1) - cost.min(1)).max())
         assert (reduced[rows, got["labels"]] <= reduced.min(1) + 1e-12 * span).all()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_reverse_steps_reuse_kept_rows_and_take_the_decisions_of_scans(ties):
+    # A reverse step of cluster j keeps the rows with the smallest gaps its scan found; j's next reverse steps
+    # re-read only those and the rows moved since, while a bound proves the r smallest gaps are among them
+    # (FloorAuction::kept_candidates). The warm sequences must reuse rows that way and still match the
+    # reference, which scans every row each time, label for label and round for round.
+    n, k = 4000, 16
+    lo, hi = _bounds("cap", n, k, 0)
+    state: dict = {}
+    prices = (None, None)
+    pulls = scans = 0
+    for step, cost in enumerate(_lloyd_like_costs(21, n, k, 5, ties)):
+        ref, state, ref_rounds = assign_ref(torch.from_numpy(cost), lo, hi, state)
+        got = _native_step(cost, lo, hi, prices)
+        np.testing.assert_array_equal(got["labels"], ref.numpy(), err_msg=f"step {step}")
+        assert got["rounds"] == ref_rounds, f"step {step}"
+        np.testing.assert_array_equal(got["floor_prices"], state["floor"])
+        prices = (got["floor_prices"], got["general_prices"])
+        pulls += got["pulls"]
+        scans += got["pull_scans"]
+        assert 0 <= got["pull_scans"] <= got["pulls"]
+    assert scans > 0 and pulls > scans, (pulls, scans)
