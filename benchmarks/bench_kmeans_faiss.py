@@ -200,7 +200,9 @@ def sections(results: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
                    "row of the same data.", "Medians of interleaved repetitions (one at n = 1 000 000 and for exact "
                    "balance), each configuration in its own process; peak memory = resident high-water mark of that "
                    "process less the input array (a centred copy of x when one is made, the distance tiles or the "
-                   "cost matrix, the centroid sums)."]},
+                   "cost matrix, the centroid sums).", "Rows kept with --keep come from the earlier command in the "
+                   "header. Compare ratios (ours and faiss come from the same process), not seconds across runs: "
+                   "this shared 2-core machine's speed varies by up to 2x between days."]},
         {"heading": "Where an iteration goes (ours, ms per iteration; prepare and finish: ms per call)",
          "columns": ["n", "d", "threads", "data and capacity", "distance", "auction", "objective", "update",
                      "prepare", "finish"], "rows": phase_rows,
@@ -237,6 +239,7 @@ def main() -> int:
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
     sizes = sizes[:1] if args.small else sizes
     results = _kept(args.out) if args.keep else {}
+    command = _command(args)  # before the partial writes below replace the earlier command in --out
     for i, (n, d) in enumerate(sizes):
         configs = args.configs.split(";") if i == 0 else ["random, no capacity"]
         for t in threads:
@@ -248,8 +251,8 @@ def main() -> int:
                 results[(n, d, t, config)] = run(spec)
                 print(f"[bench_kmeans_faiss] n={n} d={d} threads={t} {config}: {results[(n, d, t, config)]}",
                       file=sys.stderr, flush=True)
-                write(args, results, sizes, threads)  # partial results survive a kill
-    result = write(args, results, sizes, threads)
+                write(args, results, sizes, threads, command)  # partial results survive a kill
+    result = write(args, results, sizes, threads, command)
     print(render_benchmarks.render_result(result, str(args.out)))
     return 0
 
@@ -273,7 +276,7 @@ def _kept(out: Path) -> dict[tuple, dict[str, Any]]:
 
 
 def write(args: argparse.Namespace, results: dict[tuple, dict[str, Any]], sizes: list[tuple[int, int]],
-          threads: list[int]) -> dict[str, Any]:
+          threads: list[int], command: str) -> dict[str, Any]:
     """The result file of the configurations measured so far (with the rows kept from earlier runs)."""
     sizes = sorted({*sizes, *((n, d) for n, d, _, _ in results)})
     threads = sorted({*threads, *(t for _, _, t, _ in results)})
@@ -281,7 +284,7 @@ def write(args: argparse.Namespace, results: dict[tuple, dict[str, Any]], sizes:
               "date": datetime.date.today().isoformat(),
               "machine": machine_description(f"{args.threads} threads (OpenMP, OpenBLAS, faiss)",
                                              ["faiss-cpu", "numpy", "torch"]),
-              "command": _command(args),
+              "command": command,
               "sections": sections(results), "targets": targets(results, sizes, threads),
               "raw": [{"n": n, "d": d, "threads": t, "config": c, "result": r} for (n, d, t, c), r in results.items()]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

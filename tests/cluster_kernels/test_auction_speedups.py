@@ -2,9 +2,9 @@
 
 csrc/cpu/auction.cpp stops an auction once every point sits at its exact argmin with nothing over capacity
 (the later eps phases would move nothing), keeps each point's second-cheapest cost between rounds while the
-prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection (re-reading only the rows an
-earlier scan for the same cluster kept, while a bound allows),
-and builds member lists in parallel. None of that may change a label, a price or a round count: these tests
+prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection
+(re-reading only the rows an earlier scan for the same cluster kept, while a bound allows), and builds member
+lists in parallel. None of that may change a label, a price or a round count: these tests
 run warm-started sequences of assignments (as Lloyd iterations do, where the shortcuts matter most) and compare
 every step with the float64 reference, which runs every phase, across thread counts and across ranks.
 """
