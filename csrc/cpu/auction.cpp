@@ -33,8 +33,9 @@ constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 // (2^24 entries: 128 MiB, e.g. n = 262 144 at k = 64); above it they read the rows, so a distributed rank of
 // n = 500 000 rows and one process of 10^6 hold no second n x k float64 array. Results are the same either way.
 constexpr int64_t kMaxColumnCopy = int64_t{1} << 24;
-// Fewest rows a reverse step's scan keeps for the next reverse steps of the same cluster (FloorAuction::KeptPull):
-// most pull a handful of points, and a few hundred rows cost little to re-read.
+// Rows a reverse step's scan keeps for the next reverse steps of the same cluster (FloorAuction::KeptPull): at
+// first kKeptPull (most pull a handful of points, and a few hundred rows cost little to re-read), doubled up to
+// kKeptPullMost each time they did not suffice.
 constexpr int64_t kKeptPull = 256;
 constexpr int64_t kKeptPullMost = 4096;
 // A reverse step re-reads the rows moved since its cluster's last scan while they are at most 1/kMovedReread of
@@ -57,6 +58,12 @@ struct Block {
 
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
 inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }
+
+// Rows a, c of this rank in the order of their keys (val[row], row).
+struct KeyLess {
+  const double* val;
+  bool operator()(int64_t a, int64_t c) const { return val[a] < val[c] || (val[a] == val[c] && a < c); }
+};
 
 // This thread's index and the team's size (0 and 1 outside a parallel region or without OpenMP).
 inline int thread_id() {
@@ -91,7 +98,7 @@ void smallest_candidates(int64_t n, int64_t t, double* val, Value value, std::ve
     std::vector<int64_t>& loc = part[thread_id()];
     double tv = kInf;  // the key (tv, tg) of the t-th smallest kept after the last pruning
     int64_t tg = kNoRow;
-    auto less = [&](int64_t a, int64_t c) { return val[a] < val[c] || (val[a] == val[c] && a < c); };
+    const KeyLess less{val};
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       double v;
@@ -399,7 +406,7 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
   Threshold th{std::vector<double>(groups, kInf), std::vector<int64_t>(groups, kNoRow),
                std::vector<int64_t>(groups, 0)};
   const bool local = !b.comm.distributed();
-  auto less = [&](int64_t a, int64_t c) { return val[a] < val[c] || (val[a] == val[c] && a < c); };
+  const KeyLess less{val};
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t g = 0; g < groups; ++g) {
     auto& mem = members[g];
@@ -546,7 +553,8 @@ class FloorAuction {
     if (!only_violators) forget_pulls();  // every point moves: nothing a reverse step kept still bounds anything
     bool bad = false;
     int64_t inexact = 0;  // points left above their exact best (within eps of it)
-    std::vector<std::vector<int64_t>> moved;  // per thread, the points that changed cluster (only_violators)
+    const bool record = only_violators && any_kept_;
+    std::vector<std::vector<int64_t>> moved;  // per thread, the points that changed cluster (when recorded)
 #pragma omp parallel reduction(|| : bad) reduction(+ : inexact)
     {
 #pragma omp single
@@ -571,7 +579,7 @@ class FloorAuction {
           continue;
         }
         if (!only_violators || row(i)[obj_[i]] + p_[obj_[i]] > bc + eps_) {
-          if (only_violators) mine.push_back(i);
+          if (record) mine.push_back(i);
           obj_[i] = static_cast<int32_t>(best);
           own_[i] = row(i)[best];
         } else {
@@ -580,7 +588,7 @@ class FloorAuction {
         second_.put(i, obj_[i], t);
       }
     }
-    for (const auto& m : moved) moved_.insert(moved_.end(), m.begin(), m.end());
+    for (const auto& m : moved) note_moved(m.data(), m.size());
     check_bids(bad, "floor_auction");
     counts_ = global_counts(b_, obj_, b_.k, &inexact);
     exact_ = inexact == 0;
@@ -643,8 +651,8 @@ class FloorAuction {
       *v = ((col ? col[i] : row(i)[j]) + pj) - (own_[i] + p_[o]);
       return true;
     };
-    // Only this rank's r smallest gaps can be among the r smallest of all ranks.
     ++stats_.pulls;
+    // Only this rank's r smallest gaps can be among the r smallest of all ranks.
     if (!kept_candidates(j, r, gap, cand)) scan_candidates(j, r, gap, cand);
     const Threshold th = select_smallest(b_, gap_.data(), members_, {r});
     int64_t pulled = th.count[0];
@@ -664,8 +672,8 @@ class FloorAuction {
       ++left[obj_[cand[e]]];
       obj_[cand[e]] = static_cast<int32_t>(j);
       own_[cand[e]] = row(cand[e])[j];
-      moved_.push_back(cand[e]);
     }
+    note_moved(cand.data(), static_cast<size_t>(pulled));
     if (p_[j] < pj && std::find(lowered_.begin(), lowered_.end(), j) == lowered_.end())
       lowered_.push_back(j);  // the cache learns of the drop at flush_lowered
     b_.comm.sum(left);
@@ -691,13 +699,21 @@ class FloorAuction {
     int64_t keep = kKeptPull;    // rows the next scan keeps, at least; grows each time the kept ones did not suffice
   };
   std::vector<KeptPull> kept_;
-  std::vector<int64_t> moved_;  // rows that changed cluster since the last bid_all(false), in order (repeats allowed)
+  // Rows that changed cluster while some scan was kept (any_kept_), in order, repeats allowed: a scan's mark lies
+  // past every move before it, so no one reads the moves made while none was kept.
+  std::vector<int64_t> moved_;
+  bool any_kept_ = false;
   std::vector<int64_t> seen_;   // per row, the last pull (pull_tick_) that took it as a candidate
   int64_t pull_tick_ = 0;
 
   void forget_pulls() {
     for (auto& c : kept_) c.valid = false;
+    any_kept_ = false;
     moved_.clear();
+  }
+
+  void note_moved(const int64_t* rows, size_t count) {
+    if (any_kept_) moved_.insert(moved_.end(), rows, rows + count);
   }
 
   // Candidates for j from the scan kept for it, if they provably hold this rank's r smallest gaps (then true,
@@ -753,9 +769,7 @@ class FloorAuction {
     smallest_candidates(b_.n, keep, gap_.data(), gap, cand);
     kp.bound = kInf;
     if (static_cast<int64_t>(cand.size()) >= keep) {  // else no thread pruned: cand holds every row outside j
-      std::nth_element(cand.begin(), cand.begin() + (keep - 1), cand.end(), [&](int64_t a, int64_t c) {
-        return gap_[a] < gap_[c] || (gap_[a] == gap_[c] && a < c);
-      });
+      std::nth_element(cand.begin(), cand.begin() + (keep - 1), cand.end(), KeyLess{gap_.data()});
       kp.bound = gap_[cand[keep - 1]];
       cand.resize(keep);
     }
@@ -763,6 +777,7 @@ class FloorAuction {
     kp.prices = p_;
     kp.mark = moved_.size();
     kp.valid = true;
+    any_kept_ = true;
   }
 
   // After a phase: whether the labels are already optimal, exactly (auction_objects.h, exact_prices); if so the
@@ -924,7 +939,7 @@ class FloorAuction {
       second_.put(moved[e], obj_[moved[e]], t);
     }
     check_bids(bad, "floor_auction");
-    moved_.insert(moved_.end(), moved.begin(), moved.end());
+    note_moved(moved.data(), moved.size());
     std::vector<int64_t> came(b_.k, 0);
     for (int64_t e = 0; e < nm; ++e) {
       const int64_t i = moved[e], j = obj_[i];
