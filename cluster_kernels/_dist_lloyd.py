@@ -77,8 +77,9 @@ class Lloyd:
     def assign(self, state: dict) -> tuple[np.ndarray, dict, int]:
         """The auction on the global cost matrix (warm-started from ``state``); every rank gets its labels."""
         out = self.native.auction_block(self.dist, self.lo, self.hi, self.auction_comm, self.offset, self.n_total,
-                                        state.get("floor"), state.get("general"), torch.get_num_threads())
-        state = {"floor": out["floor_prices"]}
+                                        state.get("floor"), state.get("general"), torch.get_num_threads(),
+                                        state.get("working"))
+        state = {"floor": out["floor_prices"], "working": out["working"]}
         if len(out["general_prices"]):
             state["general"] = out["general_prices"]
         return out["labels"], state, int(out["rounds"])

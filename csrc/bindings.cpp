@@ -86,6 +86,10 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
   r["auction_rounds"] = out.auction_rounds;
   r["auction_pulls"] = out.auction.pulls;
   r["auction_pull_scans"] = out.auction.pull_scans;
+  r["auction_working_calls"] = out.auction.working_calls;
+  r["auction_working_solves"] = out.auction.working_solves;
+  r["auction_working_whole"] = out.auction.working_whole;
+  r["auction_working_rows"] = out.auction.working_rows;
   const ck::PhaseTimes& ph = out.seconds;
   py::dict seconds;
   seconds["prepare"] = ph.prepare;
@@ -195,7 +199,8 @@ std::vector<double> prices_vec(const std::optional<carray<double>>& a) {
 // The auction of one rank: dist holds rows [offset, offset + n) of the global (n_total, k) cost matrix.
 py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, const carray<int64_t>& hi,
                        py::object comm, int64_t offset, int64_t n_total, std::optional<carray<double>> floor_prices,
-                       std::optional<carray<double>> general_prices, int n_threads) {
+                       std::optional<carray<double>> general_prices, int n_threads,
+                       std::optional<carray<int64_t>> working, bool working_set) {
   if (dist.ndim() != 2) throw std::invalid_argument("dist must be (n, k)");
   const int64_t n = dist.shape(0), k = dist.shape(1);
   auto lo_v = bounds_vec(lo, k, "lo");
@@ -203,6 +208,12 @@ py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, co
   ck::AuctionState state;
   state.floor_prices = prices_vec(floor_prices);
   state.general_prices = prices_vec(general_prices);
+  if (working) {
+    if (working->size() != 3) throw std::invalid_argument("working must be the (3,) array a previous call returned");
+    state.working = {working->data()[0], working->data()[1], working->data()[2]};
+  }
+  ck::AuctionParams params;
+  params.working_set = working_set;
   PyCollective collective(std::move(comm));
   py::array_t<int64_t> labels({n});
   int64_t* lp = labels.mutable_data();
@@ -210,8 +221,8 @@ py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, co
   {
     py::gil_scoped_release release;
     ck::ThreadScope threads(n_threads);
-    rounds = ck::auction_assign(dist.data(), n, k, lo_v.data(), hi_v.data(), state, lp, ck::AuctionParams(),
-                                collective, ck::RowBlock{offset, n_total});
+    rounds = ck::auction_assign(dist.data(), n, k, lo_v.data(), hi_v.data(), state, lp, params, collective,
+                                ck::RowBlock{offset, n_total});
   }
   py::dict r;
   r["labels"] = labels;
@@ -221,6 +232,10 @@ py::dict auction_block(const carray<double>& dist, const carray<int64_t>& lo, co
   r["general_prices"] = to_numpy(state.general_prices, {static_cast<py::ssize_t>(state.general_prices.size())});
   r["pulls"] = state.stats.pulls;
   r["pull_scans"] = state.stats.pull_scans;
+  r["working"] = to_numpy(std::vector<int64_t>{state.working.rows, state.working.skip, state.working.pause}, {3});
+  r["working_calls"] = state.stats.working_calls;
+  r["working_solves"] = state.stats.working_solves;
+  r["working_whole"] = state.stats.working_whole;
   return r;
 }
 
@@ -309,10 +324,12 @@ PYBIND11_MODULE(_C, m) {
         "Capacity-constrained assignment for a float64 (n, k) cost matrix: (labels, rounds, used_general).");
   m.def("auction_block", &auction_block, py::arg("dist"), py::arg("lo"), py::arg("hi"), py::arg("comm"),
         py::arg("offset"), py::arg("n_total"), py::arg("floor_prices") = py::none(),
-        py::arg("general_prices") = py::none(), py::arg("n_threads") = 0,
+        py::arg("general_prices") = py::none(), py::arg("n_threads") = 0, py::arg("working") = py::none(),
+        py::arg("working_set") = true,
         "auction_assign for one rank of many: dist holds rows [offset, offset + n) of the global (n_total, k) "
-        "cost matrix and comm provides the collectives (distributed, sum, max, select). Warm-start prices in "
-        "and out: {labels, rounds, used_general, floor_prices, general_prices}.");
+        "cost matrix and comm provides the collectives (distributed, sum, max, select). Warm-start prices and "
+        "the working-set state in and out: {labels, rounds, used_general, floor_prices, general_prices, working, "
+        "...}; working_set=False solves every warm call on all rows.");
 
 #ifdef CLUSTER_KERNELS_WITH_CUDA
   m.attr("has_cuda") = true;

@@ -48,12 +48,19 @@ void check_bids(bool bad, const char* where) {
   if (bad) throw std::runtime_error(std::string(where) + ": a point has no finite cost (internal error)");
 }
 
-// This rank's part of the problem: its cost rows and how to reach the others.
+// This rank's part of the problem: its cost rows and how to reach the others. A block of a working set
+// (WorkingSet) holds some of the rows of D only: its row i is row rows[i] of D (rows ascending, so that local
+// and global row orders agree); the other blocks hold every row of D.
 struct Block {
   const double* D;
   int64_t n, k;
   Collective& comm;
   int64_t offset, n_total;
+  const int64_t* rows = nullptr;
+
+  const double* row(int64_t i) const { return D + (rows ? rows[i] : i) * k; }
+  // Row i's global row: the key of the selections, the same on every rank and for every thread count.
+  int64_t gid(int64_t i) const { return offset + (rows ? rows[i] : i); }
 };
 
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
@@ -313,30 +320,30 @@ class SecondCache {
   int64_t tick_ = 0, dropped_ = 0;
 };
 
-// First and final eps from the largest per-point cost range over all ranks (as the reference's _eps_schedule).
-// It is also the check of the costs: the same all-reduce tells every rank alike whether some rank holds a NaN,
-// an Inf or a |cost| above kMaxCost (first such global row), and then every rank refuses the problem.
-EpsSchedule eps_schedule(const Block& b, const std::vector<double>& prices, bool warm, const AuctionParams& ap) {
-  double span = 0.0, amax = 0.0, bad = -kInf;  // bad: -(first bad global row), or -inf when none (a max)
-  const double* D = b.D;
-  const int64_t k = b.k;
-#pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
-  for (int64_t i = 0; i < b.n; ++i) {
-    double lo_v = kInf, hi_v = -kInf;
-    bool ok = true;
-    for (int64_t j = 0; j < k; ++j) {
-      const double v = D[i * k + j];
-      ok = ok && std::fabs(v) <= kMaxCost;  // false for NaN too
-      lo_v = std::min(lo_v, v);
-      hi_v = std::max(hi_v, v);
-    }
-    if (!ok) {
-      bad = std::max(bad, -static_cast<double>(b.offset + i));
-      continue;
-    }
-    span = std::max(span, hi_v - lo_v);
-    amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
+// Row Di's smallest and largest cost; false when a cost is NaN, infinite or above kMaxCost in magnitude.
+inline bool row_range(const double* Di, int64_t k, double* lo, double* hi) {
+  double lo_v = kInf, hi_v = -kInf;
+  bool ok = true;
+  for (int64_t j = 0; j < k; ++j) {
+    const double v = Di[j];
+    ok = ok && std::fabs(v) <= kMaxCost;  // false for NaN too
+    lo_v = std::min(lo_v, v);
+    hi_v = std::max(hi_v, v);
   }
+  *lo = lo_v;
+  *hi = hi_v;
+  return ok;
+}
+
+// The largest per-point cost range (span, 1 when every row is constant) and the largest |cost|, over all ranks.
+struct CostRange {
+  double span = 1.0, amax = 0.0;
+};
+
+// Every rank's view (span, amax, bad: -(first bad global row) or -inf) made global. It is also the check of the
+// costs: the same all-reduce tells every rank alike whether some rank holds a bad cost, and then every rank
+// refuses the problem.
+CostRange agree_range(const Block& b, double span, double amax, double bad) {
   std::vector<double> global{span, amax, bad};
   b.comm.max(global);
   if (global[2] > -kInf) {
@@ -347,16 +354,37 @@ EpsSchedule eps_schedule(const Block& b, const std::vector<double>& prices, bool
                   static_cast<long long>(-global[2]), kMaxCost);
     throw std::invalid_argument(msg);
   }
-  span = global[0] > 0.0 ? global[0] : 1.0;
-  amax = global[1];
+  return {global[0] > 0.0 ? global[0] : 1.0, global[1]};
+}
+
+// The cost range of the block's rows (one pass), checked.
+CostRange cost_range(const Block& b) {
+  double span = 0.0, amax = 0.0, bad = -kInf;
+#pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
+  for (int64_t i = 0; i < b.n; ++i) {
+    double lo_v, hi_v;
+    if (!row_range(b.row(i), b.k, &lo_v, &hi_v)) {
+      bad = std::max(bad, -static_cast<double>(b.gid(i)));
+      continue;
+    }
+    span = std::max(span, hi_v - lo_v);
+    amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
+  }
+  return agree_range(b, span, amax, bad);
+}
+
+// First and final eps from the cost range (as the reference's _eps_schedule).
+EpsSchedule eps_schedule(const CostRange& range, const std::vector<double>& prices, bool warm,
+                         const AuctionParams& ap) {
   double pmax = 0.0;
   for (double p : prices) {
     if (!(std::fabs(p) <= kMaxCost))
       throw std::invalid_argument("auction_assign: a warm-start price is NaN, Inf or too large");
     pmax = std::max(pmax, std::fabs(p));
   }
+  const double span = range.span;
   // Below a few ulps of the costs, eps increments would vanish and the auction would never end.
-  const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (amax + pmax + span));
+  const double eps_final = std::max(ap.eps_final * span, 64.0 * DBL_EPSILON * (range.amax + pmax + span));
   return {std::max((warm ? ap.eps_warm : ap.eps_start) * span, eps_final), eps_final, span};
 }
 
@@ -380,7 +408,7 @@ void exchange(const Block& b, const double* val, std::vector<std::vector<int64_t
     for (int64_t e = 0; e < th.count[g]; ++e) {
       grp.push_back(w);
       v.push_back(val[members[g][e]]);
-      gid.push_back(b.offset + members[g][e]);
+      gid.push_back(b.gid(members[g][e]));
     }
   }
   if (want.empty()) return;  // the same on every rank: t is global
@@ -392,12 +420,12 @@ void exchange(const Block& b, const double* val, std::vector<std::vector<int64_t
     th.val[g] = tv[w];
     th.gid[g] = tg[w];
     auto& mem = members[g];
-    auto below = [&](int64_t i) { return key_le(val[i], b.offset + i, tv[w], tg[w]); };
+    auto below = [&](int64_t i) { return key_le(val[i], b.gid(i), tv[w], tg[w]); };
     th.count[g] = std::partition(mem.begin(), mem.begin() + th.count[g], below) - mem.begin();
   }
 }
 
-// Per group g, the t[g]-th smallest key (val[i], offset + i) over the members of every rank (t[g] = 0: none
+// Per group g, the t[g]-th smallest key (val[i], gid(i)) over the members of every rank (t[g] = 0: none
 // wanted; count 0). members[g] is reordered so that its first count[g] entries are the local keys at or
 // below the threshold: the t[g] smallest when one process holds them all.
 Threshold select_smallest(const Block& b, const double* val, std::vector<std::vector<int64_t>>& members,
@@ -417,7 +445,7 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
     th.count[g] = std::min(size, t[g]);
     if (local && size >= t[g]) {
       th.val[g] = val[mem[t[g] - 1]];
-      th.gid[g] = b.offset + mem[t[g] - 1];
+      th.gid[g] = b.gid(mem[t[g] - 1]);
     }
   }
   if (!local) exchange(b, val, members, t, th);
@@ -434,12 +462,16 @@ Threshold select_smallest(const Block& b, const double* val, std::vector<std::ve
 
 class FloorAuction {
  public:
-  FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
+  // eps_start > 0: the first eps (at least the final one) instead of the schedule's, for a warm start whose
+  // prices are known to be close (WorkingSet's later solves).
+  FloorAuction(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap,
+               const CostRange& range, double eps_start = 0.0)
       : b_(b), hi_(hi), p_(state.floor_prices), obj_(obj), ap_(ap), cols_(state.columns), stats_(state.stats),
         own_(b.n), gap_(b.n), regret_(b.n), second_(b.n, b.k), heap_(b.k), key_(b.n), kept_(b.k), seen_(b.n, 0) {
     const bool warm = static_cast<int64_t>(p_.size()) == b.k;
     if (!warm) p_.assign(b.k, 0.0);
-    es_ = eps_schedule(b, p_, warm, ap);
+    es_ = eps_schedule(range, p_, warm, ap);
+    if (eps_start > 0.0) es_.eps = std::max(std::min(eps_start, es_.eps), es_.eps_final);
     eps_ = es_.eps;
     slack_ = -b.n_total;
     for (int64_t j = 0; j < b.k; ++j) slack_ += hi[j];
@@ -523,7 +555,7 @@ class FloorAuction {
     p_[j] = v;
   }
 
-  const double* row(int64_t i) const { return b_.D + i * b_.k; }
+  const double* row(int64_t i) const { return b_.row(i); }
   // Rows are read in data-dependent order (heap pops, member and eviction lists): asking for one a few steps
   // ahead overlaps its memory latency with the work on the current one.
   static constexpr size_t kPrefetchAhead = 4;
@@ -954,6 +986,220 @@ class FloorAuction {
 };
 
 // ------------------------------------------------------------------------------------------------
+// A warm floor auction on a working set. Between two Lloyd iterations most points stay, by a wide margin, at the
+// cluster that was cheapest at the previous prices p0. The floor auction then runs on the rows with the
+// smallest margins only (the working set); every other row is held at its cheapest cluster at p0, and each
+// cluster's cap loses the rows it holds. If every held row is still at a cheapest cluster at the prices p the
+// auction ends with, the labels are optimal for the whole problem: at p every row is at its best (the working
+// set's within the auction's eps, as a whole-problem auction leaves them) and every cluster with a positive
+// price is full, which are the whole problem's optimality conditions. Held rows that are not join the working
+// set and the auction runs again, until none is, or until the set holds a quarter of the rows: then the whole
+// problem runs. The labels are those of the whole-problem auction wherever the optimum is unique; prices and rounds
+// differ.
+// ------------------------------------------------------------------------------------------------
+
+// Below this many rows (all ranks), or below 3 clusters, the whole problem runs.
+constexpr int64_t kWorkingSetMin = 4096;
+// Nor does a working set run when the caps leave fewer than 1/kWorkingSetSlack of the rows free: with (nearly)
+// exact balance every cluster is full, and the working set's problem takes about as many rounds as the whole one.
+constexpr int64_t kWorkingSetSlack = 8;
+// A working set that grows past 1/kWorkingSetMost of the rows costs about as much as the whole problem: the call
+// solves the whole problem instead, and the next calls do so directly, 1, 2, 4, ... of them after each such call
+// in a row (early Lloyd iterations move prices far; later ones, most of a run, little). The call after a cold
+// start is one of them.
+constexpr int64_t kWorkingSetMost = 4;
+// The first working set: the rows with the smallest margins, 1/kWorkingSetFirst of them at least, and at least
+// kWorkingSetGrow of the previous call's final set (most of that set was rows that joined).
+constexpr int64_t kWorkingSetFirst = 32;
+constexpr double kWorkingSetGrow = 0.625;
+// A solve after more than 1/kWorkingSetRestart of the set joined starts again from p0; after fewer, from the last
+// solve's prices with eps_warm / kWorkingSetCloseEps as its first eps.
+constexpr int64_t kWorkingSetRestart = 10;
+constexpr double kWorkingSetCloseEps = 8.0;
+
+class WorkingSet {
+ public:
+  WorkingSet(const Block& b, const int64_t* hi, AuctionState& state, int32_t* obj, const AuctionParams& ap)
+      : b_(b), hi_(hi), state_(state), obj_(obj), ap_(ap), p0_(state.floor_prices), best_(b.n), second_(b.n),
+        gap_(b.n), gap3_(b.n), in_(b.n, 0) {}
+
+  // Whether a call runs on a working set: the parameter on, warm prices, a problem large enough, caps with slack,
+  // and no pause (a call in a pause counts it down).
+  static bool applies(const Block& b, const int64_t* hi, AuctionState& state, const AuctionParams& ap) {
+    if (!ap.working_set || b.rows != nullptr || b.k < 3 || b.n_total < kWorkingSetMin ||
+        static_cast<int64_t>(state.floor_prices.size()) != b.k)
+      return false;
+    int64_t slack = -b.n_total;
+    for (int64_t j = 0; j < b.k; ++j) slack += hi[j];
+    if (kWorkingSetSlack * slack < b.n_total) return false;
+    if (state.working.skip == 0) return true;
+    --state.working.skip;
+    return false;
+  }
+
+  // Labels into obj (every row of the block) and prices into the state, as FloorAuction::run; the rounds.
+  int64_t run() {
+    margins();
+    first_set();
+    ++state_.stats.working_calls;
+    int64_t rounds = 0, joined = 0;
+    for (int64_t solves = 0;; ++solves) {
+      const std::vector<int64_t> caps = set_caps();
+      rows_.clear();
+      for (int64_t i = 0; i < b_.n; ++i)
+        if (in_[i]) rows_.push_back(i);
+      std::vector<int64_t> size{static_cast<int64_t>(rows_.size())};
+      b_.comm.sum(size);
+      if (kWorkingSetMost * size[0] > b_.n_total) return rounds + whole();
+      double eps = 0.0;  // the schedule's
+      if (solves > 0) {
+        // Many rows joined: the set's prices were far from the whole problem's, start again from p0. A few: the
+        // prices are close, and a smaller first eps keeps most of what the last solve found.
+        if (kWorkingSetRestart * joined > size[0]) state_.floor_prices = p0_;
+        else eps = ap_.eps_warm * range_.span / kWorkingSetCloseEps;
+      }
+      const Block set{b_.D, static_cast<int64_t>(rows_.size()), b_.k, b_.comm, b_.offset, size[0], rows_.data()};
+      std::vector<int32_t> set_obj(rows_.size());
+      rounds += FloorAuction(set, caps.data(), state_, set_obj.data(), ap_, range_, eps).run();
+      ++state_.stats.working_solves;
+      joined = join_violators();
+      if (joined > 0) continue;
+      state_.working = {size[0], 0, 0};
+      state_.stats.working_rows += size[0];
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < b_.n; ++i) obj_[i] = best_[i];
+      for (size_t e = 0; e < rows_.size(); ++e) obj_[rows_[e]] = set_obj[e];
+      return rounds;
+    }
+  }
+
+  // The cost range of every row (checked), for the auctions and the general auction after them.
+  const CostRange& range() const { return range_; }
+
+ private:
+  const Block& b_;
+  const int64_t* hi_;
+  AuctionState& state_;
+  int32_t* obj_;
+  const AuctionParams& ap_;
+  CostRange range_;
+  const std::vector<double> p0_;
+  std::vector<int32_t> best_, second_;  // per row, its cheapest and second cheapest cluster at p0_
+  std::vector<double> gap_, gap3_;      // their cost differences: second less cheapest, third less cheapest
+  std::vector<char> in_;                // whether the row is in the working set
+  std::vector<int64_t> rows_;           // the working set's rows, ascending
+
+  // The whole problem, from p0 (a working set's prices can lie far from the whole problem's), and a pause of the
+  // working set: 1, 2, 4, ... calls for each such call in a row.
+  int64_t whole() {
+    ++state_.stats.working_whole;
+    AuctionState::Working& w = state_.working;
+    w.rows = 0;
+    w.pause = std::max<int64_t>(1, 2 * w.pause);
+    w.skip = w.pause;
+    state_.floor_prices = p0_;
+    return FloorAuction(b_, hi_, state_, obj_, ap_, range_).run();
+  }
+
+  // One pass over the rows: each one's three cheapest clusters at p0_, and the cost range (the check of the costs).
+  void margins() {
+    double span = 0.0, amax = 0.0, bad = -kInf;
+    const int64_t k = b_.k;
+#pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      const double* Di = b_.row(i);
+      double lo_v, hi_v;
+      if (!row_range(Di, k, &lo_v, &hi_v)) {
+        bad = std::max(bad, -static_cast<double>(b_.gid(i)));
+        continue;
+      }
+      span = std::max(span, hi_v - lo_v);
+      amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
+      const Three t = best_three(k, [&](int64_t j) { return Di[j] + p0_[j]; });
+      best_[i] = static_cast<int32_t>(t.best);
+      second_[i] = static_cast<int32_t>(t.second);
+      gap_[i] = t.sc - t.bc;
+      gap3_[i] = t.tc - t.bc;
+    }
+    range_ = agree_range(b_, span, amax, bad);
+  }
+
+  // The rows with the smallest margins (all ranks), as many as the previous call's final set and some more.
+  void first_set() {
+    const int64_t least = b_.n_total / kWorkingSetFirst;
+    const auto grown = static_cast<int64_t>(kWorkingSetGrow * static_cast<double>(state_.working.rows));
+    const int64_t want = std::min(b_.n_total, std::max(least, grown));
+    std::vector<std::vector<int64_t>> all(1, std::vector<int64_t>(b_.n));
+    for (int64_t i = 0; i < b_.n; ++i) all[0][i] = i;
+    const Threshold th = select_smallest(b_, gap_.data(), all, {want});
+    for (int64_t e = 0; e < th.count[0]; ++e) in_[all[0][e]] = 1;
+  }
+
+  // The caps of the working set: hi less the rows each cluster holds. A cluster that would hold more than its
+  // cap first gives its held rows with the smallest margins to the working set.
+  std::vector<int64_t> set_caps() {
+    std::vector<std::vector<int64_t>> held;
+    group_rows(b_.n, b_.k, [&](int64_t i) { return in_[i] ? int64_t{-1} : int64_t{best_[i]}; }, held);
+    std::vector<int64_t> count(b_.k);
+    for (int64_t j = 0; j < b_.k; ++j) count[j] = static_cast<int64_t>(held[j].size());
+    b_.comm.sum(count);
+    std::vector<int64_t> over(b_.k, 0);
+    bool any = false;
+    for (int64_t j = 0; j < b_.k; ++j) {
+      over[j] = std::max<int64_t>(0, count[j] - hi_[j]);
+      any = any || over[j] > 0;
+    }
+    if (any) {  // the same on every rank: the counts are global
+      const Threshold th = select_smallest(b_, gap_.data(), held, over);
+      for (int64_t j = 0; j < b_.k; ++j) {
+        for (int64_t e = 0; e < th.count[j]; ++e) in_[held[j][e]] = 1;
+        count[j] -= over[j];
+      }
+    }
+    std::vector<int64_t> caps(b_.k);
+    for (int64_t j = 0; j < b_.k; ++j) caps[j] = hi_[j] - count[j];
+    return caps;
+  }
+
+  // The held rows that are not at a cheapest cluster at the prices now join the working set; how many (all
+  // ranks). A row's clusters other than its two cheapest at p0 stay at or above its own while its third margin
+  // exceeds the rise of its own price less the largest drop of another (plus rounding): only the others read
+  // their row.
+  int64_t join_violators() {
+    const std::vector<double>& p = state_.floor_prices;
+    const int64_t k = b_.k;
+    std::vector<double> dp(k);
+    double least = kInf, pmax = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      dp[j] = p[j] - p0_[j];
+      least = std::min(least, dp[j]);
+      pmax = std::max(pmax, std::max(std::fabs(p[j]), std::fabs(p0_[j])));
+    }
+    const double margin = 16.0 * DBL_EPSILON * (range_.amax + pmax);
+    int64_t joined = 0;
+#pragma omp parallel for schedule(static) reduction(+ : joined)
+    for (int64_t i = 0; i < b_.n; ++i) {
+      if (in_[i]) continue;
+      const int64_t a = best_[i], s = second_[i];
+      const double* Di = b_.row(i);
+      const double own = Di[a] + p[a];
+      double other = Di[s] + p[s];
+      if (other >= own && !(gap3_[i] >= dp[a] - least + margin)) {
+        for (int64_t j = 0; j < k; ++j)
+          if (j != a) other = std::min(other, Di[j] + p[j]);
+      }
+      if (other < own) {
+        in_[i] = 1;
+        ++joined;
+      }
+    }
+    std::vector<int64_t> total{joined};
+    b_.comm.sum(total);
+    return total[0];
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
 // The general problem lo_j <= size_j <= hi_j: each cluster is split into a mandatory object (lo slots,
 // real points only) and an optional one (hi - lo slots), and sum(hi) - n zero-cost dummy units fill the
 // optional slots that real points leave free, so every object ends exactly full. A plain forward auction
@@ -964,12 +1210,12 @@ class FloorAuction {
 class DummyAuction {
  public:
   DummyAuction(const Block& b, const int64_t* lo, const int64_t* hi, std::vector<double>& prices,
-               const AuctionParams& ap)
+               const AuctionParams& ap, const CostRange& range)
       : b_(b), ob_(lo, hi, b.k), m_(ob_.size()), p_(prices), ap_(ap), obj_(b.n), own_(b.n), regret_(b.n),
         second_(b.n, m_) {
     const bool warm = static_cast<int64_t>(p_.size()) == m_;
     if (!warm) p_.assign(m_, 0.0);
-    es_ = eps_schedule(b, p_, warm, ap);
+    es_ = eps_schedule(range, p_, warm, ap);
     eps_ = es_.eps;
     // Cold and warm start alike: every unit takes its cheapest object.
     bool bad = false;
@@ -1032,8 +1278,8 @@ class DummyAuction {
   std::vector<std::vector<int64_t>> members_;
   SecondCache second_;
 
-  double cost(int64_t i, int64_t o) const { return b_.D[i * b_.k + ob_.cluster[o]] + p_[o]; }
-  void set_own(int64_t i) { own_[i] = b_.D[i * b_.k + ob_.cluster[obj_[i]]]; }
+  double cost(int64_t i, int64_t o) const { return b_.row(i)[ob_.cluster[o]] + p_[o]; }
+  void set_own(int64_t i) { own_[i] = b_.row(i)[ob_.cluster[obj_[i]]]; }
 
   Three cheapest_three(int64_t i) const {
     return best_three(m_, [&](int64_t o) { return cost(i, o); });
@@ -1249,10 +1495,21 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
   const Block b{D, n, k, comm, rows.offset, rows.n_total};
   if (ap.force_general) {
     state.used_general = true;
-    return DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);
+    return DummyAuction(b, lo, hi, state.general_prices, ap, cost_range(b)).run(labels);
   }
   std::vector<int32_t> obj(n);
-  const int64_t rounds = FloorAuction(b, hi, state, obj.data(), ap).run();
+  CostRange range;
+  int64_t rounds;
+  if (WorkingSet::applies(b, hi, state, ap)) {
+    WorkingSet ws(b, hi, state, obj.data(), ap);
+    rounds = ws.run();
+    range = ws.range();
+  } else {
+    const bool cold = state.floor_prices.empty();
+    range = cost_range(b);
+    rounds = FloorAuction(b, hi, state, obj.data(), ap, range).run();
+    if (cold) state.working = {0, 1, 1};  // the first Lloyd step moves the centroids far: its call solves whole
+  }
   const std::vector<int64_t> sizes = global_counts(b, obj.data(), k);
   bool lower_ok = true;
   for (int64_t j = 0; j < k; ++j) lower_ok = lower_ok && sizes[j] >= lo[j];
@@ -1264,7 +1521,7 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
     return rounds;
   }
   state.used_general = true;
-  return rounds + DummyAuction(b, lo, hi, state.general_prices, ap).run(labels);
+  return rounds + DummyAuction(b, lo, hi, state.general_prices, ap, range).run(labels);
 }
 
 int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,

@@ -25,6 +25,7 @@ struct AuctionParams {
                              // already optimal (auction_objects.h, exact_prices) and then ends
   int64_t max_rounds = 1000000;  // safety net; reaching it is an internal error
   bool force_general = false;    // tests: skip the floor auction and run the general one
+  bool working_set = true;       // warm starts solve on a working set (auction.cpp, WorkingSet); false: every row
 };
 
 struct KMeansParams {
@@ -53,6 +54,10 @@ struct PhaseTimes {
 struct AuctionStats {
   int64_t pulls = 0;       // reverse steps
   int64_t pull_scans = 0;  // reverse steps that read every row (the others re-read the rows kept by an earlier one)
+  int64_t working_calls = 0;   // warm calls that started on a working set
+  int64_t working_solves = 0;  // floor auctions those ran on a working set (one per growth of the set)
+  int64_t working_whole = 0;   // of those calls, the ones that ended on the whole problem (the set grew too large)
+  int64_t working_rows = 0;    // final working-set rows, summed over the calls that ended on one
 };
 
 struct KMeansOutput {
@@ -78,6 +83,11 @@ struct AuctionState {
   // leaves them unwritten (the copy writes them all).
   RawVector<double> columns;
   AuctionStats stats;
+  // The working set of warm calls (auction.cpp, WorkingSet): the last call's final size (all ranks; 0: none), the
+  // next one's first; and, after calls whose set grew too large, the calls left to solve whole and the next pause.
+  struct Working {
+    int64_t rows = 0, skip = 0, pause = 0;
+  } working;
 };
 
 // Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
