@@ -31,6 +31,17 @@ prices under which its labels are exactly optimal (:func:`_exact_prices_ref`: di
 the clusters, Bellman-Ford); when they exist the labels are the LP optimum exactly, those prices are kept for
 the next warm start, and the remaining phases, which could only confirm it, are skipped.
 
+The native CPU auction (csrc/cpu/auction.cpp, ``WorkingSet``) also solves warm floor problems on a *working
+set* when the caps leave at least an eighth of the rows free and ``n >= 4096``: every row is held at its cheapest
+cluster at the previous prices except the 1/32 with the smallest margin (second-cheapest less cheapest cost, and
+more when the last call's set was larger); the caps lose the held rows, the floor auction runs on the set, and any
+held row no longer at a cheapest cluster at the prices found joins the set for another solve. When none is left,
+those prices certify the whole assignment (every row at its best, every cluster with a positive price full), so it
+is optimal for the whole problem: the labels are the reference's wherever the optimum is unique, while prices and
+round counts differ (the tests compare those with the reference with the working set off). A set that grows past a
+quarter of the rows falls back to the whole problem, and the next 1, 2, 4, ... calls solve whole directly; so does
+the call after a cold start. Late Lloyd iterations, whose prices move little, gain the most.
+
 Lloyd iterations alternate this assignment with the centroid update (cluster means; renormalised
 for ``metric="cosine"``); the previous labels stay when the new assignment would not lower the
 objective, so the objective never increases. Initialisation is greedy k-means++ (``2 + ln K`` local

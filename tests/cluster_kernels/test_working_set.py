@@ -10,6 +10,7 @@ of one process.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -116,7 +117,7 @@ def test_ranks_take_the_one_process_decisions():
     for step, cost in enumerate(_drifting_costs(3, n, k, 7)):
         one = _step(cost, lo, hi, one_state)
 
-        def rank_fn(r: int, comm: ThreadComm, cost=cost):
+        def rank_fn(r: int, comm: ThreadComm, cost=cost, rank_states=rank_states):
             s, e = bounds[r], bounds[r + 1]
             return _step(np.ascontiguousarray(cost[s:e]), lo, hi, rank_states[r], comm=comm, offset=s, n_total=n)
 
@@ -169,4 +170,4 @@ def test_capacity_kmeans_runs_its_late_iterations_on_working_sets():
     assert out["auction_working_rows"] < out["auction_working_calls"] * n / 4
     counts = np.bincount(out["labels"], minlength=k)
     assert (counts <= hi).all() and counts.sum() == n
-    assert all(b <= a * (1 + 1e-12) for a, b in zip(out["history"], out["history"][1:])), "the objective rose"
+    assert all(b <= a * (1 + 1e-12) for a, b in itertools.pairwise(out["history"])), "the objective rose"
