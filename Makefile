@@ -43,6 +43,7 @@ real-model: $(VENV)/.real-model
 bench: install
 	$(PIP) install -q --no-build-isolation -e ".[bench]"
 	$(PY) benchmarks/bench_kmeans_faiss.py
+	$(PY) benchmarks/bench_working_set.py
 	$(PY) benchmarks/compare_kmeans.py
 	$(PY) benchmarks/bench_token_balance.py
 	$(PY) benchmarks/render_benchmarks.py
