@@ -320,20 +320,17 @@ class SecondCache {
   int64_t tick_ = 0, dropped_ = 0;
 };
 
-// Row Di's smallest and largest cost; false when a cost is NaN, infinite or above kMaxCost in magnitude.
-inline bool row_range(const double* Di, int64_t k, double* lo, double* hi) {
-  double lo_v = kInf, hi_v = -kInf;
+// A row's smallest and largest cost so far, and whether every cost so far is usable (not NaN, not infinite, at
+// most kMaxCost in magnitude). Fed one cost at a time, so that a pass doing other work per cost reads the row once.
+struct RowRange {
+  double lo = kInf, hi = -kInf;
   bool ok = true;
-  for (int64_t j = 0; j < k; ++j) {
-    const double v = Di[j];
+  void add(double v) {
     ok = ok && std::fabs(v) <= kMaxCost;  // false for NaN too
-    lo_v = std::min(lo_v, v);
-    hi_v = std::max(hi_v, v);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
   }
-  *lo = lo_v;
-  *hi = hi_v;
-  return ok;
-}
+};
 
 // The largest per-point cost range (span, 1 when every row is constant) and the largest |cost|, over all ranks.
 struct CostRange {
@@ -362,13 +359,15 @@ CostRange cost_range(const Block& b) {
   double span = 0.0, amax = 0.0, bad = -kInf;
 #pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
   for (int64_t i = 0; i < b.n; ++i) {
-    double lo_v, hi_v;
-    if (!row_range(b.row(i), b.k, &lo_v, &hi_v)) {
+    const double* Di = b.row(i);
+    RowRange r;
+    for (int64_t j = 0; j < b.k; ++j) r.add(Di[j]);
+    if (!r.ok) {
       bad = std::max(bad, -static_cast<double>(b.gid(i)));
       continue;
     }
-    span = std::max(span, hi_v - lo_v);
-    amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
+    span = std::max(span, r.hi - r.lo);
+    amax = std::max(amax, std::max(std::fabs(r.lo), std::fabs(r.hi)));
   }
   return agree_range(b, span, amax, bad);
 }
@@ -1108,14 +1107,17 @@ class WorkingSet {
 #pragma omp parallel for schedule(static) reduction(max : span, amax, bad)
     for (int64_t i = 0; i < b_.n; ++i) {
       const double* Di = b_.row(i);
-      double lo_v, hi_v;
-      if (!row_range(Di, k, &lo_v, &hi_v)) {
+      RowRange r;
+      const Three t = best_three(k, [&](int64_t j) {
+        r.add(Di[j]);
+        return Di[j] + p0_[j];
+      });
+      if (!r.ok) {
         bad = std::max(bad, -static_cast<double>(b_.gid(i)));
         continue;
       }
-      span = std::max(span, hi_v - lo_v);
-      amax = std::max(amax, std::max(std::fabs(lo_v), std::fabs(hi_v)));
-      const Three t = best_three(k, [&](int64_t j) { return Di[j] + p0_[j]; });
+      span = std::max(span, r.hi - r.lo);
+      amax = std::max(amax, std::max(std::fabs(r.lo), std::fabs(r.hi)));
       best_[i] = static_cast<int32_t>(t.best);
       second_[i] = static_cast<int32_t>(t.second);
       gap_[i] = t.sc - t.bc;

@@ -26,20 +26,23 @@ C = _backend.native()
 pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")
 
 
-def _lloyd_like_costs(seed: int, n: int, k: int, steps: int, ties: bool) -> list[np.ndarray]:
+def lloyd_like_costs(seed: int, n: int, k: int, steps: int, ties: bool, *, dim: int = 3, spread: float = 2.0,
+                     drifts: tuple[float, ...] = (0.05,)) -> list[np.ndarray]:
     """Squared distances of a Gaussian mixture (Dirichlet sizes) to centroids that drift a little per step.
 
-    With ties, costs are rounded to a coarse grid so that many gaps, regrets and argmins are equal.
+    The centroids move by ``drifts[step]`` (the last entry for the later steps) times a standard normal, as
+    Lloyd's do: far at first, then little. With ties, costs are rounded to a coarse grid so that many gaps,
+    regrets and argmins are equal.
     """
     rng = np.random.default_rng(seed)
     comp = rng.choice(k, size=n, p=rng.dirichlet(np.full(k, 0.7)))
-    x = rng.standard_normal((n, 3)) + 2.0 * rng.standard_normal((k, 3))[comp]
+    x = rng.standard_normal((n, dim)) + spread * rng.standard_normal((k, dim))[comp]
     c = x[rng.choice(n, k, replace=False)]
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         d = ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)
         out.append(np.round(d * 2.0) / 2.0 if ties else d)
-        c = c + 0.05 * rng.standard_normal(c.shape)
+        c = c + drifts[min(step, len(drifts) - 1)] * rng.standard_normal(c.shape)
     return out
 
 
@@ -71,7 +74,7 @@ def test_warm_started_sequences_match_the_full_schedule(seed, kind, ties):
     lo, hi = _bounds(kind, n, k, seed)
     state: dict = {}
     prices = (None, None)
-    for step, cost in enumerate(_lloyd_like_costs(seed, n, k, 4, ties)):
+    for step, cost in enumerate(lloyd_like_costs(seed, n, k, 4, ties)):
         ref, state, ref_rounds = assign_ref(torch.from_numpy(cost), lo, hi, state)
         got = _native_step(cost, lo, hi, prices)
         if ties and got["used_general"]:
@@ -95,7 +98,7 @@ def test_labels_and_prices_do_not_depend_on_the_thread_count(kind):
     runs = {}
     for threads in (1, 2, 3):
         prices, seq = (None, None), []
-        for cost in _lloyd_like_costs(7, n, k, 3, ties=False):
+        for cost in lloyd_like_costs(7, n, k, 3, ties=False):
             got = _native_step(cost, lo, hi, prices, n_threads=threads)
             prices = (got["floor_prices"], got["general_prices"])
             seq.append((got["labels"], got["rounds"], *prices))
@@ -117,7 +120,7 @@ def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
     cut = [0, 250, 250, n]  # three ranks, one of them without rows
     one_prices = (None, None)
     rank_prices = [(None, None)] * 3
-    for cost in _lloyd_like_costs(11, n, k, 4, ties):
+    for cost in lloyd_like_costs(11, n, k, 4, ties):
         one = _native_step(cost, lo, hi, one_prices)
         one_prices = (one["floor_prices"], one["general_prices"])
 
@@ -138,7 +141,7 @@ def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
 def _cap_instance(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, k = 400 + 31 * seed, 5 + seed
     lo, hi = _bounds("cap", n, k, seed)
-    return _lloyd_like_costs(seed, n, k, 1, ties=False)[0], lo, hi
+    return lloyd_like_costs(seed, n, k, 1, ties=False)[0], lo, hi
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -181,7 +184,7 @@ def test_native_warm_sequences_end_with_exact_prices():
     lo, hi = _bounds("cap", n, k, 0)
     prices = (None, None)
     rows = np.arange(n)
-    for cost in _lloyd_like_costs(5, n, k, 4, ties=False):
+    for cost in lloyd_like_costs(5, n, k, 4, ties=False):
         got = _native_step(cost, lo, hi, prices)
         prices = (got["floor_prices"], got["general_prices"])
         reduced = cost + got["floor_prices"]
@@ -200,7 +203,7 @@ def test_reverse_steps_reuse_kept_rows_and_take_the_decisions_of_scans(ties):
     state: dict = {}
     prices = (None, None)
     pulls = scans = 0
-    for step, cost in enumerate(_lloyd_like_costs(21, n, k, 5, ties)):
+    for step, cost in enumerate(lloyd_like_costs(21, n, k, 5, ties)):
         ref, state, ref_rounds = assign_ref(torch.from_numpy(cost), lo, hi, state)
         got = _native_step(cost, lo, hi, prices)
         np.testing.assert_array_equal(got["labels"], ref.numpy(), err_msg=f"step {step}")

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from test_auction_speedups import lloyd_like_costs
 from test_distributed import ThreadComm, run_threads
 
 import cluster_kernels._collectives as coll
@@ -25,31 +26,18 @@ pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not bui
 
 
 def _drifting_costs(seed: int, n: int, k: int, steps: int, ties: bool = False) -> list[np.ndarray]:
-    """Squared distances of a Gaussian mixture to centroids that drift a little per step (as Lloyd's do).
-
-    The first step's centroids are far from the last ones, so the first warm steps move prices far and the later
-    ones little. With ties, costs are rounded to a coarse grid so that many argmins and gaps are equal.
-    """
-    rng = np.random.default_rng(seed)
-    comp = rng.choice(k, size=n, p=rng.dirichlet(np.full(k, 0.7)))
-    x = rng.standard_normal((n, 4)) + 1.5 * rng.standard_normal((k, 4))[comp]
-    c = x[rng.choice(n, k, replace=False)]
-    out = []
-    for step in range(steps):
-        d = ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)
-        out.append(np.round(d * 4.0) / 4.0 if ties else d)
-        c = c + (0.3 if step < 2 else 0.03) * rng.standard_normal(c.shape)
-    return out
+    """Lloyd-like costs whose first two steps move prices far and the later ones little."""
+    return lloyd_like_costs(seed, n, k, steps, ties, dim=4, spread=1.5, drifts=(0.3, 0.3, 0.03))
 
 
 def _cap(n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(k, np.int64), np.full(k, math.ceil(1.5 * n / k), np.int64)
 
 
-def _step(cost, lo, hi, state, working_set=True, comm=None, offset=0, n_total=None):
+def _step(cost, lo, hi, state, working_set=True, comm=None, offset=0, n_total=None, n_threads=0):
     comm = coll.AuctionComm(comm if comm is not None else coll.Comm(None))
     return C.auction_block(cost, lo, hi, comm, offset, len(cost) if n_total is None else n_total, state.get("floor"),
-                           None, 0, state.get("working"), working_set)
+                           None, n_threads, state.get("working"), working_set)
 
 
 def _next_state(out) -> dict:
@@ -88,6 +76,22 @@ def test_warm_steps_take_the_labels_of_the_auction_on_every_row(seed):
         assert want["working_calls"] == 0
     # The call after the cold start solves whole; the others ran on a set, some of them more than once (rows joined).
     assert calls >= 5 and solves > calls
+
+
+def test_thread_counts_take_the_same_decisions():
+    n, k = 7000, 11
+    lo, hi = _cap(n, k)
+    states: dict[int, dict] = {1: {}, 2: {}}
+    calls = 0
+    for step, cost in enumerate(_drifting_costs(6, n, k, 7, ties=True)):  # ties: the key order decides
+        outs = {t: _step(cost, lo, hi, states[t], n_threads=t) for t in (1, 2)}
+        np.testing.assert_array_equal(outs[1]["labels"], outs[2]["labels"], err_msg=f"step {step}")
+        np.testing.assert_array_equal(outs[1]["floor_prices"], outs[2]["floor_prices"])
+        np.testing.assert_array_equal(outs[1]["working"], outs[2]["working"])
+        assert outs[1]["rounds"] == outs[2]["rounds"] and outs[1]["working_solves"] == outs[2]["working_solves"]
+        states = {t: _next_state(outs[t]) for t in (1, 2)}
+        calls += outs[1]["working_calls"]
+    assert calls > 0
 
 
 def test_ties_leave_an_optimal_assignment():
