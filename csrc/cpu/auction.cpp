@@ -330,6 +330,17 @@ struct RowRange {
     lo = std::min(lo, v);
     hi = std::max(hi, v);
   }
+  // The row (global row gid) into a pass's running span, largest |cost| and first bad row (-gid, a max); false
+  // when the row is bad.
+  bool fold(int64_t gid, double* span, double* amax, double* bad) const {
+    if (!ok) {
+      *bad = std::max(*bad, -static_cast<double>(gid));
+      return false;
+    }
+    *span = std::max(*span, hi - lo);
+    *amax = std::max(*amax, std::max(std::fabs(lo), std::fabs(hi)));
+    return true;
+  }
 };
 
 // The largest per-point cost range (span, 1 when every row is constant) and the largest |cost|, over all ranks.
@@ -362,12 +373,7 @@ CostRange cost_range(const Block& b) {
     const double* Di = b.row(i);
     RowRange r;
     for (int64_t j = 0; j < b.k; ++j) r.add(Di[j]);
-    if (!r.ok) {
-      bad = std::max(bad, -static_cast<double>(b.gid(i)));
-      continue;
-    }
-    span = std::max(span, r.hi - r.lo);
-    amax = std::max(amax, std::max(std::fabs(r.lo), std::fabs(r.hi)));
+    r.fold(b.gid(i), &span, &amax, &bad);
   }
   return agree_range(b, span, amax, bad);
 }
@@ -1023,11 +1029,14 @@ class WorkingSet {
         gap_(b.n), gap3_(b.n), in_(b.n, 0) {}
 
   // Whether a call runs on a working set: the parameter on, warm prices, a problem large enough, caps with slack,
-  // and no pause (a call in a pause counts it down).
+  // and no pause. A call in a pause counts it down; a cold call starts one (the first Lloyd step moves the centroids
+  // far, so the call after it solves whole).
   static bool applies(const Block& b, const int64_t* hi, AuctionState& state, const AuctionParams& ap) {
-    if (!ap.working_set || b.rows != nullptr || b.k < 3 || b.n_total < kWorkingSetMin ||
-        static_cast<int64_t>(state.floor_prices.size()) != b.k)
+    if (static_cast<int64_t>(state.floor_prices.size()) != b.k) {
+      state.working = {0, 1, 1};
       return false;
+    }
+    if (!ap.working_set || b.rows != nullptr || b.k < 3 || b.n_total < kWorkingSetMin) return false;
     int64_t slack = -b.n_total;
     for (int64_t j = 0; j < b.k; ++j) slack += hi[j];
     if (kWorkingSetSlack * slack < b.n_total) return false;
@@ -1112,12 +1121,7 @@ class WorkingSet {
         r.add(Di[j]);
         return Di[j] + p0_[j];
       });
-      if (!r.ok) {
-        bad = std::max(bad, -static_cast<double>(b_.gid(i)));
-        continue;
-      }
-      span = std::max(span, r.hi - r.lo);
-      amax = std::max(amax, std::max(std::fabs(r.lo), std::fabs(r.hi)));
+      if (!r.fold(b_.gid(i), &span, &amax, &bad)) continue;
       best_[i] = static_cast<int32_t>(t.best);
       second_[i] = static_cast<int32_t>(t.second);
       gap_[i] = t.sc - t.bc;
@@ -1131,19 +1135,17 @@ class WorkingSet {
     const int64_t least = b_.n_total / kWorkingSetFirst;
     const auto grown = static_cast<int64_t>(kWorkingSetGrow * static_cast<double>(state_.working.rows));
     const int64_t want = std::min(b_.n_total, std::max(least, grown));
-    std::vector<std::vector<int64_t>> all(1, std::vector<int64_t>(b_.n));
-    for (int64_t i = 0; i < b_.n; ++i) all[0][i] = i;
-    const Threshold th = select_smallest(b_, gap_.data(), all, {want});
-    for (int64_t e = 0; e < th.count[0]; ++e) in_[all[0][e]] = 1;
+    std::vector<std::vector<int64_t>> cand(1);
+    smallest_candidates(b_.n, want, gap_.data(), [&](int64_t i, double* v) { return *v = gap_[i], true; }, cand[0]);
+    const Threshold th = select_smallest(b_, gap_.data(), cand, {want});
+    for (int64_t e = 0; e < th.count[0]; ++e) in_[cand[0][e]] = 1;
   }
 
   // The caps of the working set: hi less the rows each cluster holds. A cluster that would hold more than its
   // cap first gives its held rows with the smallest margins to the working set.
   std::vector<int64_t> set_caps() {
-    std::vector<std::vector<int64_t>> held;
-    group_rows(b_.n, b_.k, [&](int64_t i) { return in_[i] ? int64_t{-1} : int64_t{best_[i]}; }, held);
-    std::vector<int64_t> count(b_.k);
-    for (int64_t j = 0; j < b_.k; ++j) count[j] = static_cast<int64_t>(held[j].size());
+    std::vector<int64_t> count(b_.k, 0);
+    for (int64_t i = 0; i < b_.n; ++i) count[best_[i]] += !in_[i];
     b_.comm.sum(count);
     std::vector<int64_t> over(b_.k, 0);
     bool any = false;
@@ -1152,6 +1154,8 @@ class WorkingSet {
       any = any || over[j] > 0;
     }
     if (any) {  // the same on every rank: the counts are global
+      std::vector<std::vector<int64_t>> held;
+      group_rows(b_.n, b_.k, [&](int64_t i) { return in_[i] || over[best_[i]] == 0 ? int64_t{-1} : best_[i]; }, held);
       const Threshold th = select_smallest(b_, gap_.data(), held, over);
       for (int64_t j = 0; j < b_.k; ++j) {
         for (int64_t e = 0; e < th.count[j]; ++e) in_[held[j][e]] = 1;
@@ -1507,10 +1511,8 @@ int64_t auction_assign(const double* D, int64_t n, int64_t k, const int64_t* lo,
     rounds = ws.run();
     range = ws.range();
   } else {
-    const bool cold = state.floor_prices.empty();
     range = cost_range(b);
     rounds = FloorAuction(b, hi, state, obj.data(), ap, range).run();
-    if (cold) state.working = {0, 1, 1};  // the first Lloyd step moves the centroids far: its call solves whole
   }
   const std::vector<int64_t> sizes = global_counts(b, obj.data(), k);
   bool lower_ok = true;

@@ -46,7 +46,8 @@ def lloyd_like_costs(seed: int, n: int, k: int, steps: int, ties: bool, *, dim: 
     return out
 
 
-def _bounds(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def capacity_bounds(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) for "cap" (ceil(1.5 n / k)), "exact" (n // k .. ceil(n / k)) or "both" (random, from ``seed``)."""
     if kind == "cap":
         return np.zeros(k, np.int64), np.full(k, math.ceil(1.5 * n / k), np.int64)
     if kind == "exact":
@@ -71,7 +72,7 @@ CASES = [(seed, kind, ties) for seed, kind in enumerate(["cap", "exact", "both",
 @pytest.mark.parametrize("seed,kind,ties", CASES)
 def test_warm_started_sequences_match_the_full_schedule(seed, kind, ties):
     n, k = 500 + 37 * seed, 6 + seed % 3
-    lo, hi = _bounds(kind, n, k, seed)
+    lo, hi = capacity_bounds(kind, n, k, seed)
     state: dict = {}
     prices = (None, None)
     for step, cost in enumerate(lloyd_like_costs(seed, n, k, 4, ties)):
@@ -94,7 +95,7 @@ def test_warm_started_sequences_match_the_full_schedule(seed, kind, ties):
 @pytest.mark.parametrize("kind", ["cap", "exact"])
 def test_labels_and_prices_do_not_depend_on_the_thread_count(kind):
     n, k = 3000, 12
-    lo, hi = _bounds(kind, n, k, 0)
+    lo, hi = capacity_bounds(kind, n, k, 0)
     runs = {}
     for threads in (1, 2, 3):
         prices, seq = (None, None), []
@@ -116,7 +117,7 @@ def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
     # Ranks are threads (test_distributed.ThreadComm); the early exit is a global decision, so every rank
     # must stop in the same phase, and the rows a rank caches must not change what the others see.
     n, k = 700, 7
-    lo, hi = _bounds(kind, n, k, 3)
+    lo, hi = capacity_bounds(kind, n, k, 3)
     cut = [0, 250, 250, n]  # three ranks, one of them without rows
     one_prices = (None, None)
     rank_prices = [(None, None)] * 3
@@ -140,7 +141,7 @@ def test_ranks_take_the_one_process_decisions_when_warm_started(kind, ties):
 
 def _cap_instance(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, k = 400 + 31 * seed, 5 + seed
-    lo, hi = _bounds("cap", n, k, seed)
+    lo, hi = capacity_bounds("cap", n, k, seed)
     return lloyd_like_costs(seed, n, k, 1, ties=False)[0], lo, hi
 
 
@@ -181,7 +182,7 @@ def test_native_warm_sequences_end_with_exact_prices():
     # On costs without ties every warm-started step here is certified (its labels are optimal once eps is below
     # EPS_CERTIFY of the span): the native prices are then exact, not within eps_final of it.
     n, k = 3000, 12
-    lo, hi = _bounds("cap", n, k, 0)
+    lo, hi = capacity_bounds("cap", n, k, 0)
     prices = (None, None)
     rows = np.arange(n)
     for cost in lloyd_like_costs(5, n, k, 4, ties=False):
@@ -199,7 +200,7 @@ def test_reverse_steps_reuse_kept_rows_and_take_the_decisions_of_scans(ties):
     # (FloorAuction::kept_candidates). The warm sequences must reuse rows that way and still match the
     # reference, which scans every row each time, label for label and round for round.
     n, k = 4000, 16
-    lo, hi = _bounds("cap", n, k, 0)
+    lo, hi = capacity_bounds("cap", n, k, 0)
     state: dict = {}
     prices = (None, None)
     pulls = scans = 0

@@ -11,11 +11,10 @@ of one process.
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 import pytest
-from test_auction_speedups import lloyd_like_costs
+from test_auction_speedups import capacity_bounds, lloyd_like_costs
 from test_distributed import ThreadComm, run_threads
 
 import cluster_kernels._collectives as coll
@@ -28,10 +27,6 @@ pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not bui
 def _drifting_costs(seed: int, n: int, k: int, steps: int, ties: bool = False) -> list[np.ndarray]:
     """Lloyd-like costs whose first two steps move prices far and the later ones little."""
     return lloyd_like_costs(seed, n, k, steps, ties, dim=4, spread=1.5, drifts=(0.3, 0.3, 0.03))
-
-
-def _cap(n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.zeros(k, np.int64), np.full(k, math.ceil(1.5 * n / k), np.int64)
 
 
 def _step(cost, lo, hi, state, working_set=True, comm=None, offset=0, n_total=None, n_threads=0):
@@ -61,7 +56,7 @@ def _check_certificate(cost: np.ndarray, hi: np.ndarray, out) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_warm_steps_take_the_labels_of_the_auction_on_every_row(seed):
     n, k = 6000 + 131 * seed, 10 + seed
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     with_set: dict = {}
     every_row: dict = {}
     calls = solves = 0
@@ -80,7 +75,7 @@ def test_warm_steps_take_the_labels_of_the_auction_on_every_row(seed):
 
 def test_thread_counts_take_the_same_decisions():
     n, k = 7000, 11
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     states: dict[int, dict] = {1: {}, 2: {}}
     calls = 0
     for step, cost in enumerate(_drifting_costs(6, n, k, 7, ties=True)):  # ties: the key order decides
@@ -96,7 +91,7 @@ def test_thread_counts_take_the_same_decisions():
 
 def test_ties_leave_an_optimal_assignment():
     n, k = 5000, 9
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     with_set: dict = {}
     every_row: dict = {}
     calls = 0
@@ -113,7 +108,7 @@ def test_ties_leave_an_optimal_assignment():
 
 def test_ranks_take_the_one_process_decisions():
     n, k = 4500, 8
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     bounds = [0, 1700, 1700, n]  # three ranks, one without rows
     one_state: dict = {}
     rank_states: list[dict] = [{}, {}, {}]
@@ -140,7 +135,7 @@ def test_ranks_take_the_one_process_decisions():
 
 def test_exact_balance_solves_every_row():
     n, k = 5000, 8
-    lo, hi = np.full(k, n // k, np.int64), np.full(k, math.ceil(n / k), np.int64)
+    lo, hi = capacity_bounds("exact", n, k)
     state: dict = {}
     for cost in _drifting_costs(4, n, k, 5):
         out = _step(cost, lo, hi, state)
@@ -151,7 +146,7 @@ def test_exact_balance_solves_every_row():
 
 def test_a_bad_cost_in_a_held_row_is_refused():
     n, k = 5000, 8
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     costs = _drifting_costs(5, n, k, 4)
     state: dict = {}
     for cost in costs[:3]:
@@ -168,7 +163,7 @@ def test_capacity_kmeans_runs_its_late_iterations_on_working_sets():
     rng = np.random.default_rng(11)
     n, k, d = 8000, 12, 6
     x = (rng.standard_normal((n, d)) + 1.2 * rng.standard_normal((k, d))[rng.integers(0, k, n)]).astype(np.float32)
-    lo, hi = _cap(n, k)
+    lo, hi = capacity_bounds("cap", n, k)
     out = C.kmeans_cpu(x, k, lo, hi, False, 1, 25, 0.0, 3)
     assert out["auction_working_calls"] > 0
     assert out["auction_working_rows"] < out["auction_working_calls"] * n / 4
