@@ -68,6 +68,13 @@ def make_data(kind: str, n: int, d: int, dtype: str):
     return x.astype(dtype, copy=False)
 
 
+def initial_centroids(x):
+    """The K rows every method starts from (a fixed draw)."""
+    import numpy as np
+
+    return x[np.random.default_rng(1).choice(len(x), K, replace=False)].copy()
+
+
 def bounds(kind: str, n: int) -> dict[str, int]:
     if kind == "cap":
         return {"max_size": math.ceil(1.5 * n / K)}
@@ -111,12 +118,10 @@ def _phases(x, init, kw: dict[str, int]) -> dict[str, float]:
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One configuration: warm-up, interleaved repetitions of ours and faiss, phases, peak memory."""
-    import numpy as np
-
     kind, bkind, dtype = CONFIGS[spec["config"]]
     n, d = spec["n"], spec["d"]
     x = make_data(kind, n, d, dtype)
-    init = x[np.random.default_rng(1).choice(n, K, replace=False)].copy()
+    init = initial_centroids(x)
     kw = bounds(bkind, n)
     faiss_ok = dtype == "float32" and spec["faiss"]
     if faiss_ok:

@@ -9,8 +9,9 @@ A Lloyd loop on the mixture data of ``bench_kmeans_faiss.py`` (K = 64, cap ceil(
 centroids): each iteration forms the float64 cost matrix ``|x|^2 + |c|^2 - 2 x c^T`` with numpy, then runs the
 native auction (``cluster_kernels._C.auction_block``) on it twice, with the working set and without
 (``working_set=False``), each warm-started from its own previous call, in alternating order; the labels must be
-equal; the centroids become the cluster means. Times are per auction call, medians over ``--reps`` runs of the
-whole loop, grouped by iterations. The first call (cold prices) is the same for both and is left out.
+equal; the centroids are then updated as the reference does (``_update_centroids_ref``: cluster means). Times are
+per auction call, medians over ``--reps`` runs of the whole loop, grouped by iterations. The first call (cold
+prices) is the same for both and is left out.
 
 Writes ``--out`` (default ``benchmarks/results/working_set.json``, rendered into BENCHMARKS.md by
 ``render_benchmarks.py``) and prints the table.
@@ -31,29 +32,19 @@ from typing import Any
 import numpy as np
 import render_benchmarks
 from _machine import machine_description
-from bench_kmeans_faiss import K, bounds, make_data
+from bench_kmeans_faiss import K, bounds, initial_centroids, make_data
 
 DEFAULT_OUT = render_benchmarks.RESULTS_DIR / "working_set.json"
 GROUP = 10  # iterations per row of the table
 
 
-def _means(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
-    """Cluster means in float64 (an empty cluster keeps no row: its centroid becomes the overall mean)."""
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=k)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    sums = np.zeros((k, x.shape[1]))
-    full = counts > 0
-    sums[full] = np.add.reduceat(x[order].astype(np.float64), starts[full], axis=0)
-    out = sums / np.maximum(counts, 1)[:, None]
-    out[~full] = x.mean(0)
-    return out
-
-
 def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[str, list]:
     """One Lloyd loop; per iteration the two auctions' seconds, the working-set statistics."""
+    import torch
+
     import cluster_kernels._collectives as coll
     from cluster_kernels import _backend
+    from cluster_kernels.kmeans import _update_centroids_ref
 
     native = _backend.native()
     if native is None:
@@ -62,8 +53,9 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
     lo = np.zeros(K, np.int64)
     comm = coll.AuctionComm(coll.Comm(None))
     x64 = x.astype(np.float64)
+    xt = torch.from_numpy(x64)
     xn = (x64 * x64).sum(1)
-    c = x64[np.random.default_rng(1).choice(n, K, replace=False)]
+    c = initial_centroids(x64)
     states: dict[bool, tuple] = {True: (None, None), False: (None, None)}
     out: dict[str, list] = {"with": [], "every": [], "rows": [], "solves": [], "whole": []}
     for it in range(iters):
@@ -81,7 +73,9 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
         out["rows"].append(int(w["working"][0]) if w["working_calls"] and not w["working_whole"] else None)
         out["solves"].append(int(w["working_solves"]))
         out["whole"].append(bool(w["working_whole"]) or not w["working_calls"])
-        c = _means(x, w["labels"], K)
+        labels = w["labels"]
+        own = torch.from_numpy(cost[np.arange(n), labels])
+        c = _update_centroids_ref(xt, torch.from_numpy(labels), K, torch.from_numpy(c), own, False).numpy()
     return out
 
 
