@@ -6,12 +6,12 @@ Run from the repository root::
     python benchmarks/bench_working_set.py --n 20000 --iters 12 --reps 1 --out /tmp/ws.json   # quick
 
 A Lloyd loop on the mixture data of ``bench_kmeans_faiss.py`` (K = 64, cap ceil(1.5 N/K), the same initial
-centroids): each iteration forms the float64 cost matrix ``|x|^2 + |c|^2 - 2 x c^T`` with numpy, then runs the
-native auction (``cluster_kernels._C.auction_block``) on it twice, with the working set and without
-(``working_set=False``), each warm-started from its own previous call, in alternating order; the labels must be
-equal; the centroids are then updated as the reference does (``_update_centroids_ref``: cluster means). Times are
-per auction call, medians over ``--reps`` runs of the whole loop, grouped by iterations. The first call (cold
-prices) is the same for both and is left out.
+centroids): each iteration forms the float64 cost matrix ``|x|^2 + |c|^2 - 2 x c^T`` with the reference's
+``_sqdist_ref``, then runs the native auction (``cluster_kernels._C.auction_block``) on it twice, with the
+working set and without (``working_set=False``), each warm-started from its own previous call, in alternating
+order; the labels must be equal; the centroids are then updated as the reference does (``_update_centroids_ref``:
+cluster means). Times are per auction call, medians over ``--reps`` runs of the whole loop, grouped by
+iterations. The first call (cold prices) is the same for both and is left out.
 
 Writes ``--out`` (default ``benchmarks/results/working_set.json``, rendered into BENCHMARKS.md by
 ``render_benchmarks.py``) and prints the table.
@@ -44,7 +44,7 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
 
     import cluster_kernels._collectives as coll
     from cluster_kernels import _backend
-    from cluster_kernels.kmeans import _update_centroids_ref
+    from cluster_kernels.kmeans import _sqdist_ref, _update_centroids_ref
 
     native = _backend.native()
     if native is None:
@@ -54,12 +54,11 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
     comm = coll.AuctionComm(coll.Comm(None))
     x64 = x.astype(np.float64)
     xt = torch.from_numpy(x64)
-    xn = (x64 * x64).sum(1)
     c = initial_centroids(x64)
     states: dict[bool, tuple] = {True: (None, None), False: (None, None)}
     out: dict[str, list] = {"with": [], "every": [], "rows": [], "solves": [], "whole": []}
     for it in range(iters):
-        cost = np.maximum(xn[:, None] + (c * c).sum(1)[None, :] - 2.0 * (x64 @ c.T), 0.0)
+        cost = _sqdist_ref(xt, torch.from_numpy(c)).numpy()
         got: dict[bool, Any] = {}
         for ws in (True, False) if it % 2 == 0 else (False, True):
             t0 = time.perf_counter()

@@ -63,6 +63,13 @@ struct Block {
   int64_t gid(int64_t i) const { return offset + (rows ? rows[i] : i); }
 };
 
+// Places the caps leave free over all ranks: sum(hi) - n_total (0 under exact balance).
+int64_t free_places(const Block& b, const int64_t* hi) {
+  int64_t free = -b.n_total;
+  for (int64_t j = 0; j < b.k; ++j) free += hi[j];
+  return free;
+}
+
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
 inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }
 
@@ -478,8 +485,7 @@ class FloorAuction {
     es_ = eps_schedule(range, p_, warm, ap);
     if (eps_start > 0.0) es_.eps = std::max(std::min(eps_start, es_.eps), es_.eps_final);
     eps_ = es_.eps;
-    slack_ = -b.n_total;
-    for (int64_t j = 0; j < b.k; ++j) slack_ += hi[j];
+    slack_ = free_places(b, hi);
   }
 
   int64_t run() {
@@ -1037,9 +1043,7 @@ class WorkingSet {
       return false;
     }
     if (!ap.working_set || b.rows != nullptr || b.k < 3 || b.n_total < kWorkingSetMin) return false;
-    int64_t slack = -b.n_total;
-    for (int64_t j = 0; j < b.k; ++j) slack += hi[j];
-    if (kWorkingSetSlack * slack < b.n_total) return false;
+    if (kWorkingSetSlack * free_places(b, hi) < b.n_total) return false;
     if (state.working.skip == 0) return true;
     --state.working.skip;
     return false;
