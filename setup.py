@@ -156,10 +156,20 @@ setup(
         "datasets>=2.14",
         "matplotlib>=3.7",
         "tqdm>=4.66",
+        "pyyaml>=6",
     ],
     extras_require={
         "lora": ["peft>=0.10"],
+        # --report-to tensorboard / wandb (clusterlm.reporting); both optional.
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.16"],
+        # `make docs`: the documentation site (MkDocs Material; the API reference from the docstrings).
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         "test": [
+            # the suite builds the docs site in strict mode (tests/test_docs.py): the `docs` extra's packages
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+            "mkdocstrings[python]>=0.26",
             "pytest>=8",
             "hypothesis>=6.100",
             "scipy>=1.11",
@@ -169,6 +179,8 @@ setup(
             "triton>=3.0",
             "gguf>=0.10",
             "trl==1.16.0",
+            "tensorboard>=2.14",
+            "wandb>=0.16",
         ],
         # clusterlm.integrations.trl.ClusterSFTTrainer (TRL's SFTTrainer on a plan; uses its fused LM head).
         "trl": ["trl>=1.16,<2"],

@@ -11,7 +11,7 @@ base model ``tiny-llama-pretrained`` (:mod:`clusterlm.pretrain`: a short causal-
 demo's ``pretrain.txt``, standard-library source disjoint from both splits; built once and cached under
 the demo directory, its build time is not part of any method's time); ratio 0.31, world size 2 (two
 gloo CPU ranks, or two GPUs), 3 seeds. All seven methods run side by side in one
-:func:`clusterlm.compare.run_compare` (same trainer, hyper-parameters, seeds and evaluation), resumable
+:func:`clusterlm.compare` (same trainer, hyper-parameters, seeds and evaluation), resumable
 in ``--work`` (a killed benchmark continues where it stopped).
 
 Goals, from the measured means:
@@ -68,9 +68,9 @@ def _goal(goal: str, measured: str, met: bool | None) -> dict[str, Any]:
 def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's five goals from the per-method means (a goal whose methods did not run is not met: None).
 
-    The ratios are :func:`clusterlm.compare.goals`'s; this adds the wording, the inputs and the verdicts.
+    The ratios are :func:`clusterlm.compare_stats.goals`'s; this adds the wording, the inputs and the verdicts.
     """
-    from clusterlm.compare import goals
+    from clusterlm.compare_stats import goals
 
     g = goals(summary)
     out = []
@@ -107,8 +107,9 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from clusterlm.cli import add_compare_args
-    from clusterlm.compare import METHODS, run_compare
+    from clusterlm.cli import compare_config, compare_parser
+    from clusterlm.compare_config import METHODS
+    from clusterlm.compare_run import compare
     from clusterlm.demo import demo_data
     from clusterlm.models import load_model
 
@@ -130,17 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         subset = work / f"train_first{args.train_examples}.jsonl"
         subset.write_text("".join(lines), encoding="utf-8")
         data, scale = str(subset), f"reduced: first {len(lines)} examples of the demo train split"
-    parser = argparse.ArgumentParser()
-    add_compare_args(parser)
+    from clusterlm.options import parse_config
+
     cargv = ["--data", data, "--eval-data", str(demo.heldout), "--model", args.model, "--ratio", str(args.ratio),
              "--world-size", str(args.world_size), "--methods", args.methods, "--seeds", str(args.seeds),
              "--out", str(work), "--epochs", str(args.epochs), "--micro-batch-size", str(args.micro_batch_size),
              "--lr", str(args.lr), "--max-length", str(args.max_length), "--n-validation", str(args.n_validation),
-             "--threads", str(args.threads), "--no-progress"]
+             "--threads", str(args.threads)]
     if args.max_steps:
         cargv += ["--max-steps", str(args.max_steps)]
-    cargs = parser.parse_args(cargv)
-    result = run_compare(cargs)
+    config = compare_config(parse_config(compare_parser(), cargv))  # what `clusterlm compare CARGV` runs
+    result = compare(config).data
     summary = result["summary"]
     n_train = result["records"][0]["n_examples"] if result["records"] else 0
     cols = ["method", "fraction", "tokens trained", "selection s", "training s", "total s", "held-out loss", "seeds"]

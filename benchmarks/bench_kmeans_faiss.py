@@ -50,17 +50,22 @@ CONFIGS = {
     "mixture, cap ceil(1.5 N/K)": ("mixture", "cap", "float32"),
     "mixture, exact balance": ("mixture", "exact", "float32"),
     "mixture, float64, no capacity": ("mixture", "none", "float64"),
+    # Rows far from the origin: the K-means works in the centred frame (formed per distance tile, never copied).
+    "offset, no capacity": ("offset", "none", "float32"),
 }
 GOAL_FAISS, GOAL_CAP, GOAL_EXACT, GOAL_F64 = 1.2, 1.3, 2.0, 2.0
 
 
 def make_data(kind: str, n: int, d: int, dtype: str):
-    """Random normal rows, or a 64-component Gaussian mixture with Dirichlet(0.7) component sizes."""
+    """Random normal rows (``offset``: shifted by 3 in every column), or a 64-component Gaussian mixture with
+    Dirichlet(0.7) component sizes."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    if kind == "random":
+    if kind in ("random", "offset"):
         x = rng.standard_normal((n, d), dtype=np.float32)
+        if kind == "offset":
+            x += np.float32(3.0)
     else:
         comp = rng.choice(K, size=n, p=rng.dirichlet(np.full(K, 0.7)))
         x = rng.standard_normal((n, d), dtype=np.float32)

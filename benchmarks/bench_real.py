@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(work: Path) -> dict[tuple[str, int], dict[str, Any]]:
     """The records of ``work``'s compare state with the settings of its newest record."""
-    from clusterlm.compare import STATE, read_state
+    from clusterlm.compare_run import STATE, read_state
 
     records = read_state(work / STATE)
     if not records:
@@ -113,7 +113,7 @@ def window_decision(records: dict[tuple[str, int], dict[str, Any]]) -> list[str]
     """The feature-window decision: each window's held-out loss vs ``cluster-whole`` with its 95 % interval
     (paired by seed, over seeds and evaluation examples); the default becomes the window not distinguishably worse
     than whole examples (interval's low end <= 0) at the lowest selection cost, else whole examples."""
-    from clusterlm.compare import delta_between
+    from clusterlm.compare_stats import delta_between
     from clusterlm.stats import interval_text
 
     def of(method: str) -> list[dict[str, Any]]:
@@ -166,20 +166,19 @@ def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple
 
 def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, methods: list[str], seeds: int,
              lora: bool) -> dict[str, Any]:
-    from clusterlm.cli import add_compare_args
-    from clusterlm.compare import run_compare
+    from clusterlm.cli import compare_config, compare_parser
+    from clusterlm.compare_run import compare
+    from clusterlm.options import parse_config
 
-    parser = argparse.ArgumentParser()
-    add_compare_args(parser)
     cargv = ["--data", str(data), "--eval-data", str(heldout), "--model", MODEL, "--ratio", str(args.ratio),
              "--world-size", str(args.world_size), "--methods", ",".join(methods), "--seeds", str(seeds),
              "--out", str(work), "--epochs", str(args.epochs), "--micro-batch-size", str(args.micro_batch_size),
              "--lr", str(args.lora_lr if lora else args.lr), "--n-validation", str(args.n_validation),
-             "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on", "--no-progress",
+             "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on",
              "--less-epochs", str(args.less_epochs)]
     if lora:
         cargv += ["--lora-r", str(args.lora_r)]
-    return run_compare(parser.parse_args(cargv))
+    return compare(compare_config(parse_config(compare_parser(), cargv))).data  # `clusterlm compare CARGV`
 
 
 def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -224,7 +223,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
                  records: dict[tuple[str, int], dict[str, Any]], lora_records: dict[tuple[str, int], dict[str, Any]],
                  t_start: float) -> dict[str, Any]:
     """Write ``--out`` from the units done so far (called after each stage, so a cut run still reports)."""
-    from clusterlm.compare import summarize
+    from clusterlm.compare_stats import summarize
 
     seen = list(dict.fromkeys(k[0] for k in records))  # method variants (cluster[...]) keep their spec as label
     all_methods = [m for m in ALL if m in seen] + [m for m in seen if m not in ALL]

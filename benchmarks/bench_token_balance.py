@@ -19,7 +19,7 @@ K-means and seed (:func:`clusterlm.select.select_from_features`):
 Both plans train every rank on its own cluster with the same weights; they share all but the few
 exchanged examples (the count is printed in the table notes).
 
-Each plan is trained by the reference trainer (:mod:`clusterlm.train`, 2 gloo ranks, 1 thread each),
+Each plan is trained by the reference trainer (:func:`clusterlm.train`, 2 gloo ranks, 1 thread each),
 ``--repeats`` times with the plans alternating, for ``--steps`` optimizer steps of
 ``--micro-batch-size`` examples per rank, without evaluation. From its ``metrics.jsonl``: per step and
 rank the real (attention-mask) tokens and the padded tokens ``B x T_max`` (what the CPU computes), the
@@ -80,16 +80,19 @@ def make_plans(work: Path, ratio: float, max_length: int, seed: int) -> tuple[di
 
 def run_training(plan_dir: Path, out: Path, demo: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train 2 gloo ranks on the plan; returns the train records of metrics.jsonl."""
-    from clusterlm import train
+    from clusterlm import TrainConfig, train
+    from clusterlm.launch import SpawnFailed
+    from clusterlm.metrics import METRICS
 
-    argv = ["--plan", str(plan_dir), "--model", "tiny-llama", "--data", str(demo.train), "--out", str(out),
-            "--max-length", str(args.max_length), "--max-steps", str(args.steps), "--micro-batch-size",
-            str(args.micro_batch_size), "--lr", "1e-3", "--seed", str(args.seed), "--no-progress", "--no-save-model",
-            "--log-every", str(max(1, args.steps // 4)), "--overwrite"]
-    rc = train.launch(argv, 2)
-    if rc != 0:
-        raise SystemExit(f"bench_token_balance: training on {plan_dir} failed with status {rc}")
-    lines = (out / train.METRICS).read_text(encoding="utf-8").splitlines()
+    config = TrainConfig(plan=str(plan_dir), model="tiny-llama", data=str(demo.train), out=str(out),
+                         max_length=args.max_length, max_steps=args.steps, micro_batch_size=args.micro_batch_size,
+                         lr=1e-3, seed=args.seed, progress=False, save_model=False, log_every=max(1, args.steps // 4),
+                         overwrite=True, nproc=2)
+    try:
+        train(config)
+    except SpawnFailed as e:
+        raise SystemExit(f"bench_token_balance: training on {plan_dir} failed with status {e.code}") from None
+    lines = (out / METRICS).read_text(encoding="utf-8").splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     ["selection", f"CluSTER default preset, tiny-llama features, world size 2, ratio {args.ratio}, "
                                   f"seed {args.seed}; one feature extraction and K-means, token_balance on / off; "
                                   f"{overlap['shared']} of {overlap['selected']} selected examples shared (same rank)"],
-                    ["training", f"python -m torch.distributed.run --nproc-per-node 2 -m clusterlm.train (gloo, 1 "
+                    ["training", f"python -m torch.distributed.run --nproc-per-node 2 -m clusterlm train (gloo, 1 "
                                  f"thread per rank), {args.steps} steps, micro-batch {args.micro_batch_size} per rank, "
                                  "AdamW lr 1e-3, no evaluation"],
                     ["step time", f"slowest rank's wall time per optimizer step, pooled over {args.repeats} runs of "

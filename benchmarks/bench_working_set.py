@@ -44,7 +44,7 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
 
     import cluster_kernels._collectives as coll
     from cluster_kernels import _backend
-    from cluster_kernels.kmeans import _sqdist_ref, _update_centroids_ref
+    from cluster_kernels.kmeans_reference import _sqdist_ref, _update_centroids_ref
 
     native = _backend.native()
     if native is None:

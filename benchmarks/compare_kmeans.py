@@ -11,7 +11,7 @@ Smoke run (seconds; writes outside benchmarks/results, so BENCHMARKS.md is left 
 Data: :func:`kmeans_anchors.gaussian_mixture` (d=128, K=8, unequal component sizes). For every n and
 every cap ``max_size = ceil(f N/K)`` (f = 1.0, exact balance, and 1.5) it times ours
 (``capacity_kmeans``, CPU backend), k-means-constrained (min-cost flow, same cap), the CluSTER
-authors' recipe (sklearn KMeans n_init=10 + greedy re-assignment under the cap; DESIGN.md section 1;
+authors' recipe (sklearn KMeans n_init=10 + greedy re-assignment under the cap; docs/design.md section 1;
 the authors' own setting is f = 1.5), and the unconstrained faiss-cpu and scikit-learn KMeans
 (run once per n, shown in both cap sections). Ours, k-means-constrained, faiss and sklearn use the
 same ``--n-init`` / ``--max-iter`` (default 3 / 50).
@@ -264,7 +264,7 @@ def build_sections(args: argparse.Namespace, cells: dict[tuple, dict]) -> list[d
                 f"sklearn KMeans(k-means++, n_init={anchors.RECIPE_N_INIT}, max_iter={anchors.RECIPE_MAX_ITER}); "
                 "when its largest cluster exceeds f N/K, a fresh identical KMeans is fitted and its points "
                 f"greedily re-assigned under the cap ({anchors.RECIPE_N_NEAREST} nearest centroids per point; "
-                "DESIGN.md §1); centroids not refitted",
+                "docs/design.md section 1); centroids not refitted",
             ],
             [
                 "faiss",

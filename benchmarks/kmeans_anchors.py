@@ -143,7 +143,7 @@ def quality(x: np.ndarray, labels: np.ndarray, centroids: np.ndarray | None, k: 
 
 
 # ----------------------------------------------------------------------------------------------
-# the CluSTER authors' greedy soft-cap re-assignment (DESIGN.md section 1)
+# the CluSTER authors' greedy soft-cap re-assignment (docs/design.md section 1)
 
 
 def _nearest_pairs(dist: np.ndarray, n_nearest: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,7 +175,7 @@ def greedy_capacity_assign(
 ) -> np.ndarray:
     """The CluSTER recipe's greedy re-assignment of points to fixed centroids under a cap.
 
-    Semantics (DESIGN.md section 1): for every point its ``min(n_nearest, k)`` nearest centroids;
+    Semantics (docs/design.md section 1): for every point its ``min(n_nearest, k)`` nearest centroids;
     all (point, centroid) pairs sorted by distance ascending (stable); walking that list, an
     unassigned point takes the centroid if it still has room; points left over take the nearest
     centroid with room, in index order.
@@ -274,7 +274,7 @@ def cluster_greedy_recipe(
     max_iter: int = RECIPE_MAX_ITER,
     n_nearest: int = RECIPE_N_NEAREST,
 ) -> MethodResult:
-    """The CluSTER authors' clustering step, exactly as DESIGN.md section 1 describes it.
+    """The CluSTER authors' clustering step, exactly as docs/design.md section 1 describes it.
 
     scikit-learn ``KMeans(k, init="k-means++", n_init=10)`` (``max_iter``, ``tol`` at sklearn's
     defaults, as the authors leave them). If its largest cluster exceeds ``cap_factor N / K``, a

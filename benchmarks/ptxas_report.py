@@ -20,7 +20,8 @@ Usage::
     python benchmarks/ptxas_report.py --set gate      # the test suite's set (the default featurization paths)
     python benchmarks/ptxas_report.py --json OUT      # results as JSON for the caller (the test uses this)
 
-then ``python benchmarks/render_benchmarks.py`` puts the table into BENCHMARKS.md.
+then ``python benchmarks/render_benchmarks.py`` renders the tables into ``benchmarks/results/ptxas.md`` and a
+summary paragraph into BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,15 @@ ones ``gpu_*.json`` written by ``benchmarks/gpu/run_all.sh``) has the same forma
 
 Other keys (e.g. ``raw`` measurements) are ignored. Files are rendered in name order and the
 output depends only on their contents, so rendering twice gives identical bytes.
+
+``BENCHMARKS.md`` opens with a summary table: one row per result file with its headline (a target's measured
+value, :data:`HEADLINE_TARGET`, by default the first; the last note where a file has no target), that target's
+goal, whether it was met, how many of the file's targets were met, and the date. Result files listed in
+:data:`DETAIL_FILES` (the compiler's register and spill tables of ``ptxas_report.py``: hundreds of rows) are
+rendered in full into their own markdown file next to the JSON (``benchmarks/results/ptxas.md``), and
+``BENCHMARKS.md`` gets a one-paragraph summary of them. For the other results, ``Setup`` tables and tables over
+:data:`MAX_ROWS` rows are rendered into ``benchmarks/results/<stem>.md`` (with every other table of that result)
+and linked from its section.
 """
 
 from __future__ import annotations
@@ -27,6 +36,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 OUT_PATH = REPO / "BENCHMARKS.md"
+
+# Result files rendered into a file of their own (the full tables), with a summary paragraph in BENCHMARKS.md.
+DETAIL_FILES = ("ptxas.json",)
+# Other results keep their main tables in BENCHMARKS.md; their setup tables and tables longer than this many rows
+# are in the result's own file (every table of it, benchmarks/results/<stem>.md), linked from its section.
+MAX_ROWS = 12
+# The target shown as a result's headline in the summary table (default: its first).
+HEADLINE_TARGET = {"distributed_kmeans.json": 2}
 
 HEADER = """# Benchmarks
 
@@ -68,22 +85,97 @@ def _require(result: dict[str, Any], key: str, kind: type, source: str) -> Any:
     return result[key]
 
 
-def render_result(result: dict[str, Any], source: str) -> str:
+def _header(result: dict[str, Any], source: str, level: str = "##") -> list[str]:
+    """Title, then date, command and source on one line and the machine on the next."""
+    title = _require(result, "title", str, source)
+    return [
+        f"{level} {title}",
+        "",
+        f"- Date: {_require(result, 'date', str, source)}; command: `{_require(result, 'command', str, source)}`; "
+        f"source: `{source}`",
+        f"- Machine: {_require(result, 'machine', str, source)}",
+    ]
+
+
+def _targets(result: dict[str, Any], source: str) -> list[tuple[str, str, bool]]:
+    """``(goal, measured, met)`` of every target, checked."""
+    out = []
+    for t, target in enumerate(result.get("targets") or []):
+        where = f"{source}: target {t}"
+        out.append((_require(target, "goal", str, where), _require(target, "measured", str, where),
+                    _require(target, "met", bool, where)))
+    return out
+
+
+def _headline(text: str, limit: int = 90) -> str:
+    """The start of a measured value: up to its first ';' or ' (' and at most ``limit`` characters."""
+    cut = min((i for i in (text.find("; "), text.find(" (")) if i > 0), default=len(text))
+    text = text[:cut]
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def summary_row(result: dict[str, Any], source: str) -> list[str]:
+    """One row of the summary table: benchmark, headline, its goal, met, targets met, date."""
+    title = _require(result, "title", str, source)
+    date = _require(result, "date", str, source)
+    targets = _targets(result, source)
+    if targets:
+        goal, measured, met = targets[min(HEADLINE_TARGET.get(Path(source).name, 0), len(targets) - 1)]
+        n_met = sum(1 for t in targets if t[2])
+        return [title, _headline(measured), goal, "yes" if met else "**no**", f"{n_met} of {len(targets)}", date]
+    notes = [n for section in result.get("sections") or [] for n in section.get("notes") or []]
+    return [title, _headline(str(notes[-1])) if notes else "–", "–", "–", "no targets", date]
+
+
+def render_summary(results: list[tuple[dict[str, Any], str]]) -> str:
+    """The summary table that opens BENCHMARKS.md."""
+    rows = [summary_row(result, source) for result, source in results]
+    return "\n".join([
+        "## Summary",
+        "",
+        "One row per benchmark: its headline number, the goal it was measured against, whether that goal was met,",
+        "how many of the benchmark's goals were met (its section lists them all), and when it was measured.",
+        "",
+        render_table(["benchmark", "headline", "goal", "met", "goals met", "date"], rows),
+    ]) + "\n"
+
+
+def render_detail_summary(result: dict[str, Any], source: str, detail: str) -> str:
+    """BENCHMARKS.md's paragraph for a result rendered in full into ``detail``."""
+    parts = _header(result, source)
+    targets = _targets(result, source)
+    sections = _require(result, "sections", list, source)
+    tables = "; ".join(f"{_require(s, 'heading', str, source)} ({len(_require(s, 'rows', list, source))} rows)"
+                       for s in sections)
+    goals = "; ".join(f"{goal}: {measured} ({'met' if met else 'not met'})" for goal, measured, met in targets)
+    parts += ["", f"Full tables in `{detail}`: {tables}." + (f" Goals: {goals}." if goals else "")]
+    return "\n".join(parts) + "\n"
+
+
+def is_detail_section(section: dict[str, Any]) -> bool:
+    """A setup table, or a table over :data:`MAX_ROWS` rows: rendered in the result's own file only."""
+    heading = str(section.get("heading", ""))
+    return heading.lower().startswith("setup") or len(section.get("rows") or []) > MAX_ROWS
+
+
+def render_result(result: dict[str, Any], source: str, level: str = "##", detail: str | None = None) -> str:
     """Markdown for one result file: title, date, machine, command, sections, targets.
+
+    ``detail``: the result's own file; its setup and long tables are left out here, with a line naming them.
 
     Raises:
         ValueError: naming the file and the field when the format is not the documented one.
     """
-    title = _require(result, "title", str, source)
-    parts = [
-        f"## {title}",
-        "",
-        f"- Date: {_require(result, 'date', str, source)}",
-        f"- Machine: {_require(result, 'machine', str, source)}",
-        f"- Command: `{_require(result, 'command', str, source)}`",
-        f"- Source: `{source}`",
-    ]
-    for s, section in enumerate(_require(result, "sections", list, source)):
+    parts = _header(result, source, level)
+    sub = level + "#"
+    sections = _require(result, "sections", list, source)
+    if detail is not None:
+        moved = [f"{_require(s, 'heading', str, source)} ({len(_require(s, 'rows', list, source))} rows)"
+                 for s in sections if is_detail_section(s)]
+        parts.append(f"- Setup and long tables in `{detail}` (every table of this benchmark): {'; '.join(moved)}")
+    for s, section in enumerate(sections):
+        if detail is not None and is_detail_section(section):
+            continue
         where = f"{source}: section {s}"
         heading = _require(section, "heading", str, where)
         columns = _require(section, "columns", list, where)
@@ -92,49 +184,71 @@ def render_result(result: dict[str, Any], source: str) -> str:
             table = render_table(columns, rows)
         except ValueError as exc:
             raise ValueError(f"render_benchmarks: {where} ({heading!r}): {exc}") from None
-        parts += ["", f"### {heading}", "", table]
+        parts += ["", f"{sub} {heading}", "", table]
         notes = section.get("notes") or []
         if notes:
             parts += [""] + [f"- {_cell(note)}" for note in notes]
-    targets = result.get("targets") or []
+    targets = _targets(result, source)
     if targets:
-        rows = []
-        for t, target in enumerate(targets):
-            where = f"{source}: target {t}"
-            met = _require(target, "met", bool, where)
-            rows.append(
-                [
-                    _require(target, "goal", str, where),
-                    _require(target, "measured", str, where),
-                    "yes" if met else "**no**",
-                ]
-            )
-        parts += ["", "### Targets", "", render_table(["goal", "measured", "met"], rows)]
+        rows = [[goal, measured, "yes" if met else "**no**"] for goal, measured, met in targets]
+        parts += ["", f"{sub} Targets", "", render_table(["goal", "measured", "met"], rows)]
     return "\n".join(parts) + "\n"
+
+
+def _source(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return path.name
+
+
+def _load(results_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    files = sorted(results_dir.glob("*.json"), key=lambda p: p.name)
+    out = []
+    for path in files:
+        try:
+            out.append((path, json.loads(path.read_text(encoding="utf-8"))))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"render_benchmarks: {path.name}: not valid JSON: {exc}") from None
+    return out
+
+
+def render_files(results_dir: Path = RESULTS_DIR) -> dict[Path, str]:
+    """Every generated file: ``BENCHMARKS.md`` (at ``OUT_PATH``'s name) and each detail file, path -> text.
+
+    The detail files sit next to their JSON (``results_dir/<stem>.md``).
+    """
+    loaded = _load(results_dir)
+    parts = [HEADER]
+    details: dict[Path, str] = {}
+    if not loaded:
+        parts.append("\nNo results yet.\n")
+    else:
+        parts.append("\n" + render_summary([(result, _source(path)) for path, result in loaded]))
+    for path, result in loaded:
+        source = _source(path)
+        detail = path.with_suffix(".md")
+        in_full = path.name in DETAIL_FILES
+        if in_full or any(is_detail_section(s) for s in _require(result, "sections", list, source)):
+            details[detail] = (f"# {result.get('title', path.stem)}\n\n<!-- Generated by benchmarks/render_benchmarks.py "
+                               f"from {source}. Do not edit by hand. -->\n\n"
+                               + render_result(result, source, level="#").split("\n", 2)[2])
+        if in_full:
+            parts.append("\n" + render_detail_summary(result, source, _source(detail)))
+        else:
+            parts.append("\n" + render_result(result, source, detail=_source(detail) if detail in details else None))
+    return {OUT_PATH: "".join(parts), **details}
 
 
 def render_all(results_dir: Path = RESULTS_DIR) -> str:
     """The whole BENCHMARKS.md text for every ``*.json`` in ``results_dir`` (sorted by file name)."""
-    files = sorted(results_dir.glob("*.json"), key=lambda p: p.name)
-    parts = [HEADER]
-    if not files:
-        parts.append("\nNo results yet.\n")
-    for path in files:
-        try:
-            result = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"render_benchmarks: {path.name}: not valid JSON: {exc}") from None
-        try:
-            source = str(path.relative_to(REPO))
-        except ValueError:
-            source = path.name
-        parts.append("\n" + render_result(result, source))
-    return "".join(parts)
+    return render_files(results_dir)[OUT_PATH]
 
 
 def write(results_dir: Path = RESULTS_DIR, out: Path = OUT_PATH) -> Path:
-    """Render every result in ``results_dir`` into ``out``; returns ``out``."""
-    out.write_text(render_all(results_dir), encoding="utf-8")
+    """Render every result in ``results_dir`` into ``out`` (and the detail files next to their JSON); returns ``out``."""
+    for path, text in render_files(results_dir).items():
+        (out if path == OUT_PATH else path).write_text(text, encoding="utf-8")
     return out
 
 
@@ -145,19 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 when --out is out of date")
     args = parser.parse_args(argv)
     try:
-        text = render_all(args.results_dir)
+        files = {(args.out if path == OUT_PATH else path): text for path, text in render_files(args.results_dir).items()}
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     if args.check:
-        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        if current != text:
-            print(f"render_benchmarks: {args.out} is out of date; run python benchmarks/render_benchmarks.py")
-            return 1
-        print(f"render_benchmarks: {args.out} is up to date")
-        return 0
-    args.out.write_text(text, encoding="utf-8")
-    print(f"render_benchmarks: wrote {args.out}")
+        stale = [p for p, text in files.items() if (p.read_text(encoding="utf-8") if p.exists() else "") != text]
+        for p in stale:
+            print(f"render_benchmarks: {p} is out of date; run python benchmarks/render_benchmarks.py")
+        if not stale:
+            print(f"render_benchmarks: {', '.join(str(p) for p in files)} up to date")
+        return 1 if stale else 0
+    for path, text in files.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"render_benchmarks: wrote {path}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The BLAS of the native distance tiles: numpy's bundled OpenBLAS, found at run time and handed to the extension.
 
-The C++ K-means (csrc/cpu/kmeans.cpp) computes each tile of distances ``|x|^2 + |c|^2 - 2 x c^T`` with one
+The C++ K-means (csrc/cpu/distance_tiles.cpp) computes each tile of distances ``|x|^2 + |c|^2 - 2 x c^T`` with one
 ``cblas_?gemm`` call whose address it receives from here (csrc/cpu/blas.h). Why numpy's OpenBLAS:
 
 * numpy is a dependency of the package, and its wheels ship an OpenBLAS with exported CBLAS symbols and thread

@@ -70,10 +70,10 @@ py::dict kmeans_cpu(const carray<T>& x, int64_t k, const carray<int64_t>& lo, co
   const ck::Blas gemm = blas_of(blas);
   p.blas = &gemm;
   const T* init_ptr = init ? init->data() : nullptr;
-  ck::KMeansOutput out;
+  ck::KMeansResult out;
   {
     py::gil_scoped_release release;
-    out = ck::capacity_kmeans_cpu<T>(x.data(), n, d, lo_v.data(), hi_v.data(), init_ptr, p);
+    out = ck::capacity_kmeans<T>(x.data(), n, d, lo_v.data(), hi_v.data(), init_ptr, p);
   }
   py::dict r;
   r["labels"] = to_numpy(out.labels, {n});
@@ -119,8 +119,8 @@ py::tuple assign_cpu(const carray<T>& x, const carray<T>& centroids, const carra
   {
     py::gil_scoped_release release;
     const ck::Blas gemm = blas_of(blas);
-    ck::assign_with_capacity_cpu<T>(x.data(), n, d, centroids.data(), k, lo_v.data(), hi_v.data(), spherical,
-                                    n_threads, lp, dp, &gemm);
+    ck::assign_with_capacity<T>(x.data(), n, d, centroids.data(), k, lo_v.data(), hi_v.data(), spherical,
+                                n_threads, lp, dp, &gemm);
   }
   return py::make_tuple(labels, dist);
 }
@@ -258,11 +258,11 @@ void bind_cuda(py::module_& m) {
         p.max_iter = max_iter;
         p.tol = tol;
         p.seed = seed;
-        ck::cuda::CudaKMeansResult r;
+        ck::KMeansResult r;
         {
           py::gil_scoped_release release;
-          r = ck::cuda::capacity_kmeans_cuda(x, is_double, n, d, lo_v.data(), hi_v.data(), init, p, labels, centroids,
-                                             distances, stream, device);
+          r = ck::cuda::capacity_kmeans(x, is_double, n, d, lo_v.data(), hi_v.data(), init, p, labels, centroids,
+                                        distances, stream, device);
         }
         py::dict out;
         out["history"] = r.history;
@@ -283,8 +283,8 @@ void bind_cuda(py::module_& m) {
         auto lo_v = bounds_vec(lo, k, "lo");
         auto hi_v = bounds_vec(hi, k, "hi");
         py::gil_scoped_release release;
-        ck::cuda::assign_with_capacity_cuda(x, is_double, n, d, centroids, k, lo_v.data(), hi_v.data(), spherical,
-                                            labels, distances, stream, device);
+        ck::cuda::assign_with_capacity(x, is_double, n, d, centroids, k, lo_v.data(), hi_v.data(), spherical,
+                                       labels, distances, stream, device);
       },
       py::arg("x"), py::arg("is_double"), py::arg("n"), py::arg("d"), py::arg("centroids"), py::arg("k"),
       py::arg("lo"), py::arg("hi"), py::arg("spherical"), py::arg("labels"), py::arg("distances"), py::arg("stream"),
@@ -296,7 +296,7 @@ void bind_cuda(py::module_& m) {
         auto lo_v = bounds_vec(lo, k, "lo");
         auto hi_v = bounds_vec(hi, k, "hi");
         py::gil_scoped_release release;
-        return ck::cuda::auction_assign_cuda(dist, n, k, lo_v.data(), hi_v.data(), labels, stream, device);
+        return ck::cuda::auction_assign(dist, n, k, lo_v.data(), hi_v.data(), labels, stream, device);
       },
       py::arg("dist"), py::arg("n"), py::arg("k"), py::arg("lo"), py::arg("hi"), py::arg("labels"), py::arg("stream"),
       py::arg("device"));

@@ -6,8 +6,21 @@ Triton kernels with numpy (small fp32 shapes only).
 """
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# pytest puts tests/ on sys.path for this file; tests/clusterlm (a folder of tests, no __init__.py) would then be
+# found as a namespace package `clusterlm` before the installed one, whose __init__ would never run. Import the real
+# package first, with the test folders out of the path, so every test sees clusterlm as users do.
+_TESTS = Path(__file__).resolve().parent
+_saved_path = list(sys.path)
+sys.path[:] = [p for p in sys.path if not Path(p or ".").resolve().is_relative_to(_TESTS)]
+try:
+    import clusterlm  # noqa: E402, F401
+finally:
+    sys.path[:] = _saved_path
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -180,10 +180,10 @@ def test_no_private_name_crosses_a_module():
 @pytest.mark.parametrize(
     "source",
     [
-        "import clusterlm.train\n",
-        "def f():\n    from clusterlm import train\n",
-        "def f():\n    return __import__('clusterlm.train')\n",
-        "import importlib\nx = importlib.import_module('clusterlm.train')\n",
+        "import clusterlm.train_loop\n",
+        "def f():\n    from clusterlm import train_loop\n",
+        "def f():\n    return __import__('clusterlm.train_loop')\n",
+        "import importlib\nx = importlib.import_module('clusterlm.train_loop')\n",
     ],
 )
 def test_the_checker_sees_every_import_form(source, tmp_path, monkeypatch):
@@ -191,21 +191,21 @@ def test_the_checker_sees_every_import_form(source, tmp_path, monkeypatch):
     fake = tmp_path / "select_fake.py"
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "clusterlm.select_fake", fake)
-    train = MODULES["clusterlm.train"]
-    planted = tmp_path / "train.py"
+    train = MODULES["clusterlm.train_loop"]
+    planted = tmp_path / "train_loop.py"
     planted.write_text(train.read_text() + "\ndef _planted():\n    import clusterlm.select_fake\n")
-    monkeypatch.setitem(MODULES, "clusterlm.train", planted)
+    monkeypatch.setitem(MODULES, "clusterlm.train_loop", planted)
     assert any("clusterlm.select_fake" in c for c in cycles(import_graph()))
 
 
 def test_the_main_guard_is_the_only_exemption(tmp_path, monkeypatch):
-    planted = tmp_path / "train.py"
+    planted = tmp_path / "train_loop.py"
     guarded = 'if __name__ == "__main__":\n    from clusterlm.cli import main\n'
-    planted.write_text(MODULES["clusterlm.train"].read_text() + "\n" + guarded)
-    monkeypatch.setitem(MODULES, "clusterlm.train", planted)
-    assert ("clusterlm.cli", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.train")}
-    planted.write_text(MODULES["clusterlm.train"].read_text() + "\nif True:\n    from clusterlm.cli import main\n")
-    assert ("clusterlm.cli", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.train")}
+    planted.write_text(MODULES["clusterlm.train_loop"].read_text() + "\n" + guarded)
+    monkeypatch.setitem(MODULES, "clusterlm.train_loop", planted)
+    assert ("clusterlm.cli", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.train_loop")}
+    planted.write_text(MODULES["clusterlm.train_loop"].read_text() + "\nif True:\n    from clusterlm.cli import main\n")
+    assert ("clusterlm.cli", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.train_loop")}
 
 
 def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
@@ -344,11 +344,12 @@ def test_the_parameter_rule_sees_a_wide_function(tmp_path, monkeypatch):
 
 
 # cli.py parses and maps errors to exit codes; the work is in library modules. Its functions are argument
-# types (*_arg), parser builders (add_*_args, build_*parser, the _Parser class), option -> settings mappings
-# (*_config, *_job, train_argv), thin command entries (cmd_*: one call into a library module) and the error
-# map (main, _user_message, _fail, train_here).
-CLI_FUNCTION_FORMS = ("_arg", "add_", "build_", "_config", "_job", "cmd_", "_args")
-CLI_ERROR_MAP = {"main", "_user_message", "_fail", "train_here", "train_argv", "error"}
+# types (*_arg), parser builders (add_*_args, build_*parser, *_parser, the _Parser class), option -> settings
+# mappings (*_config, *_job, _split: parsed values to a config class's fields), thin command entries (cmd_*: one
+# call into a library module) and the error map (main, _config_file, _run, _fail, _user_message, error).
+CLI_FUNCTION_FORMS = ("_arg", "add_", "build_", "_parser", "_config", "_job", "cmd_", "_args")
+CLI_OPTION_MAPPING = {"_split"}
+CLI_ERROR_MAP = {"main", "_config_file", "_run", "_fail", "_user_message", "error"}
 MAX_CMD_LINES = 25
 
 
@@ -360,7 +361,7 @@ def cli_work_functions(path: Path | None = None) -> list[str]:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         name = fn.name
-        if name in CLI_ERROR_MAP:
+        if name in CLI_ERROR_MAP or name in CLI_OPTION_MAPPING:
             continue
         if not any(name.endswith(f) or name.startswith(f) or f.strip("_") in name for f in CLI_FUNCTION_FORMS):
             out.append(f"{_where(path)}:{fn.lineno} {name}: not parsing or error mapping")
@@ -382,3 +383,131 @@ def test_the_cli_rule_sees_work(tmp_path):
                     "def cmd_big(a):\n" + "    x = 1\n" * 30)
     bad = cli_work_functions(fake)
     assert [b.split()[1] for b in bad] == ["feature_store_key:", "cmd_big:"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The C++/CUDA core (csrc): every file at most 600 lines, every function at most 80 (by brace matching), and the CPU
+# and CUDA sides mirrored file for file.
+# ------------------------------------------------------------------------------------------------------------------
+
+CSRC = ROOT / "csrc"
+CPP_SUFFIXES = {".h", ".cpp", ".cu", ".cuh"}
+MAX_CPP_FILE_LINES = 600
+MAX_CPP_FUNCTION_LINES = 80
+_NOT_A_FUNCTION = ("namespace", "class", "struct", "union", "enum", "extern", "if", "for", "while", "switch", "do",
+                   "else", "try", "catch")
+
+
+def _cpp_sources(root: Path = CSRC) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in CPP_SUFFIXES)
+
+
+def _strip_cpp(text: str) -> str:
+    """The text with comments, string and character literals and preprocessor lines blanked (newlines kept), so
+    that only code braces are left to match."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c, nxt = text[i], text[i + 1 : i + 2]
+        if c == "/" and nxt == "/":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif c == "/" and nxt == "*":
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(" ")
+            i = j + 1
+        elif c == "#" and (i == 0 or text[i - 1] == "\n"):
+            j = i
+            while True:  # a preprocessor line, with its continuations
+                k = text.find("\n", j)
+                if k < 0 or text[k - 1] != "\\":
+                    break
+                j = k + 1
+            out.append("\n" * text.count("\n", i, n if k < 0 else k))
+            i = n if k < 0 else k
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def cpp_functions(path: Path) -> list[tuple[str, int, int]]:
+    """(header, first line, length in lines) of every outermost function body of a C++/CUDA file: a brace block
+    whose header (the code since the last ``;``, ``{`` or ``}``) has a parameter list and is not a namespace, type or
+    control statement. Lambdas and local classes count toward the function around them."""
+    code = _strip_cpp(path.read_text())
+    found, stack, last = [], [], 0  # stack: (is_function, header, first line) per open brace
+    for i, c in enumerate(code):
+        if c in ";":
+            last = i + 1
+        elif c == "{":
+            header = code[last:i].strip()
+            in_function = any(kind for kind, _, _ in stack)
+            words = header.replace("(", " ").split()
+            is_function = (not in_function and "(" in header and ")" in header and not header.endswith("=")
+                           and not (words and words[0] in _NOT_A_FUNCTION))
+            start = code.count("\n", 0, last + (len(code[last:i]) - len(code[last:i].lstrip()))) + 1
+            stack.append((is_function, " ".join(header.split()), start))
+            last = i + 1
+        elif c == "}":
+            if stack:
+                is_function, header, start = stack.pop()
+                if is_function:
+                    found.append((header[-80:], start, code.count("\n", 0, i) + 1 - start + 1))
+            last = i + 1
+    return found
+
+
+def long_cpp_files(limit: int = MAX_CPP_FILE_LINES, root: Path = CSRC) -> list[str]:
+    return [f"{p.relative_to(root)}: {n} lines" for p in _cpp_sources(root)
+            if (n := len(p.read_text().splitlines())) > limit]
+
+
+def long_cpp_functions(limit: int = MAX_CPP_FUNCTION_LINES, root: Path = CSRC) -> list[str]:
+    return [f"{p.relative_to(root)}:{start}: {lines} lines ({header})" for p in _cpp_sources(root)
+            for header, start, lines in cpp_functions(p) if lines > limit]
+
+
+def unmirrored_files(root: Path = CSRC) -> list[str]:
+    """Files of cpu/ without a file of the same stem in cuda/ (and back) whose first line does not say why."""
+    stems = {side: {p.stem for p in (root / side).glob("*") if p.suffix in CPP_SUFFIXES} for side in ("cpu", "cuda")}
+    bad = []
+    for side, other, reason in (("cpu", "cuda", "// No CUDA counterpart: "), ("cuda", "cpu", "// No CPU counterpart: ")):
+        for p in sorted((root / side).glob("*")):
+            if p.suffix in CPP_SUFFIXES and p.stem not in stems[other] and not p.read_text().startswith(reason):
+                bad.append(f"{side}/{p.name}: no {other}/{p.stem}.* and no first line '{reason}<why>'")
+    return bad
+
+
+def test_no_csrc_file_is_over_600_lines():
+    assert not long_cpp_files(), "split these files (one class or mechanism per file):\n" + "\n".join(long_cpp_files())
+
+
+def test_no_csrc_function_is_over_80_lines():
+    found = long_cpp_functions()
+    assert not found, "split these functions:\n" + "\n".join(found)
+
+
+def test_cpu_and_cuda_mirror_each_other_file_for_file():
+    found = unmirrored_files()
+    assert not found, "\n".join(found)
+
+
+def test_the_cpp_size_rules_see_planted_violations(tmp_path):
+    side = tmp_path / "cpu"
+    side.mkdir()
+    (tmp_path / "cuda").mkdir()
+    body = "\n".join(f'  x += {i};  // {{ "}}" brace-like text is not code' for i in range(80))
+    (side / "long.cpp").write_text(f"namespace ns {{\nint long_one(int x) {{\n{body}\n  return x;\n}}\n}}\n")
+    (side / "short.cpp").write_text("struct S {\n  int f() const { return '{'; }\n};\nint g() {\n  return 1;\n}\n")
+    (side / "big.h").write_text("// No CUDA counterpart: a planted file.\n" + "int v;\n" * MAX_CPP_FILE_LINES)
+    assert [line.split(":")[0] for line in long_cpp_functions(root=tmp_path)] == ["cpu/long.cpp"]
+    assert [line.split(":")[0] for line in long_cpp_files(root=tmp_path)] == ["cpu/big.h"]
+    assert cpp_functions(side / "short.cpp") == [("int f() const", 2, 1), ("int g()", 4, 3)]
+    assert sorted(line.split(":")[0] for line in unmirrored_files(tmp_path)) == ["cpu/long.cpp", "cpu/short.cpp"]

@@ -1,5 +1,5 @@
-// The eviction auction of capacity-constrained K-means (cluster_kernels/kmeans.py, module docstring) on
-// a float64 cost block, for one process or for one rank of many.
+// The eviction auction of capacity-constrained K-means (cluster_kernels/kmeans_reference.py, module docstring) on
+// a float64 cost block, for one process or for one rank of many. The CUDA counterpart is cuda/auction.cuh.
 //
 // Every rank holds the cost rows of its own points, rows [offset, offset + n) of the global (n_total, k)
 // matrix. Prices, counts, eps and dummy units are global: each rank computes them alike from the
@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu/kmeans.h"
+#include "common/params.h"
 
 namespace cluster_kernels {
 
@@ -41,7 +41,14 @@ struct RowBlock {
   int64_t n_total = 0;
 };
 
-// auction_assign (kmeans.h) on this rank's rows dist (n, k) of the global problem `rows`; lo/hi are the
+// Optimal assignment of n points with costs dist (n x k, row-major, float64) to k clusters with
+// lo[j] <= size_j <= hi[j]. The problem without lower bounds is solved first (floor auction); if
+// its solution meets them it is optimal, otherwise the general (dummy) auction runs. Returns the
+// number of auction rounds.
+int64_t auction_assign(const double* dist, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
+                       AuctionState& state, int64_t* labels, const AuctionParams& ap = AuctionParams());
+
+// auction_assign on this rank's rows dist (n, k) of the global problem `rows`; lo/hi are the
 // global bounds. Every rank must call it with the same lo, hi, state and parameters. Returns the rounds.
 int64_t auction_assign(const double* dist, int64_t n, int64_t k, const int64_t* lo, const int64_t* hi,
                        AuctionState& state, int64_t* labels, const AuctionParams& ap, Collective& comm,

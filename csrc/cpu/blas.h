@@ -1,3 +1,4 @@
+// No CUDA counterpart: the device distance tiles are their own kernel (cuda/distance_tiles.cu), not a BLAS call.
 // A CBLAS reached through function pointers that the Python side finds at run time (cluster_kernels/_blas.py:
 // numpy's bundled OpenBLAS), so the extension links no BLAS of its own and builds without BLAS headers. The
 // distance tiles of the K-means (kmeans.cpp) are one GEMM each, |x|^2 + |c|^2 - 2 x c^T; without a registered

@@ -1,3 +1,4 @@
+// No CUDA counterpart: the device path has no thread count; its stream and device scope are in cuda/device_utils.cuh.
 // The OpenMP thread count of one native call, restored afterwards.
 #pragma once
 

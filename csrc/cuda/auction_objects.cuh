@@ -1,3 +1,4 @@
+// No CPU counterpart: the device forms of common/auction_objects.h (the CPU uses that header alone).
 // Device-side pieces of the eviction auction (the counterpart of csrc/cpu/auction_objects.h, whose host-side
 // Objects, place_dummies and EpsSchedule the CUDA auction uses as they are): the cheapest object of a point,
 // zeros of one sign, an atomic min of doubles, and the segments of over-full objects handed to the device.

@@ -1,3 +1,4 @@
+// No CPU counterpart: the shared device kernels (histograms, index fills, widening, radix sort).
 // The kernels every part of the CUDA K-means shares: integer histograms, index fills, widening to int64, and
 // CUB's stable radix sort of (key, index) pairs (device_utils.cuh declares them).
 #include "cuda/device_utils.cuh"

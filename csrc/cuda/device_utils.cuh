@@ -1,3 +1,4 @@
+// No CPU counterpart: device memory, the caller's stream and launch geometry (the CPU has cpu/thread_scope.h).
 // Device memory, the caller's stream, launch geometry and the small device helpers every CUDA file of the
 // K-means uses (the CUDA counterpart of csrc/cpu/thread_scope.h and the helpers at the top of kmeans.cpp).
 // Host code here is plain C++ (inline); the shared kernels (histogram, iota, widening, radix sort) are in

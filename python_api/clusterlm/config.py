@@ -31,6 +31,16 @@ from clusterlm.budget import check_int, cluster_size_bound, resolve_any_budget, 
 from clusterlm.features import DEFAULT_BATCH_TOKENS, DEFAULT_FEATURE_TOKENS, LAYER_PRESETS
 from clusterlm.paper import PAPER_CAP, PAPER_N_INIT, PAPER_SEED, paper_percentage
 from clusterlm.picking import WITHIN_CLUSTER
+from clusterlm.readers import (
+    dim_arg,
+    feature_tokens_arg,
+    features_arg,
+    fraction_arg,
+    non_negative_int_arg,
+    on_off_arg,
+    positive_int_arg,
+    size_arg,
+)
 from clusterlm.settings import apply_settings
 
 __all__ = [
@@ -286,28 +296,28 @@ class SelectConfig:
         batch_tokens: padded tokens per featurization forward (None: the default, 8192).
     """
 
-    world_size: int | None = None
-    ratio: float | None = None
-    budget: int | None = None
-    token_ratio: float | None = None
-    token_budget: int | None = None
-    preset: str = "default"
-    features: str | Sequence[str] | None = None
-    dim: int | tuple[int, int] | None = None
-    feature_tokens: int | str | None = None
-    seed: int | None = None
-    clustering: str | None = None
-    max_cluster_size: int | str | None = "1.5x"
-    min_cluster_size: int | str | None = "budget"
-    within_cluster: str = "farthest"
-    allocation: str = "cluster-per-rank"
-    token_balance: bool | None = None
-    clusters_per_rank: int = 1
+    world_size: int | None = field(default=None, metadata={"parse": positive_int_arg})
+    ratio: float | None = field(default=None, metadata={"parse": fraction_arg})
+    budget: int | None = field(default=None, metadata={"parse": positive_int_arg})
+    token_ratio: float | None = field(default=None, metadata={"parse": fraction_arg})
+    token_budget: int | None = field(default=None, metadata={"parse": positive_int_arg})
+    preset: str = field(default="default", metadata={"choices": ("default", "paper")})
+    features: str | Sequence[str] | None = field(default=None, metadata={"parse": features_arg})
+    dim: int | tuple[int, int] | None = field(default=None, metadata={"parse": dim_arg})
+    feature_tokens: int | str | None = field(default=None, metadata={"parse": feature_tokens_arg})
+    seed: int | None = field(default=None, metadata={"parse": non_negative_int_arg})
+    clustering: str | None = field(default=None, metadata={"choices": CLUSTERINGS})
+    max_cluster_size: int | str | None = field(default="1.5x", metadata={"parse": size_arg})
+    min_cluster_size: int | str | None = field(default="budget", metadata={"parse": size_arg})
+    within_cluster: str = field(default="farthest", metadata={"choices": WITHIN_CLUSTER})
+    allocation: str = field(default="cluster-per-rank", metadata={"choices": ALLOCATIONS})
+    token_balance: bool | None = field(default=None, metadata={"parse": on_off_arg, "metavar": "{on,off}"})
+    clusters_per_rank: int = field(default=1, metadata={"parse": positive_int_arg})
     token_balance_slack: float = TOKEN_BALANCE_SLACK
-    n_init: int | None = None
-    max_iter: int = 100
-    kmeans_backend: str = "auto"
-    batch_tokens: int | None = None
+    n_init: int | None = field(default=None, metadata={"parse": positive_int_arg})
+    max_iter: int = field(default=100, metadata={"parse": positive_int_arg})
+    kmeans_backend: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda", "torch")})
+    batch_tokens: int | None = field(default=None, metadata={"parse": positive_int_arg})
 
     def replace(self, **overrides: Any) -> SelectConfig:
         """A copy with ``overrides`` applied.

@@ -34,7 +34,6 @@ without a group.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
@@ -47,24 +46,29 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from clusterlm._io import atomic_write_text
+from clusterlm.configio import checksum
 
 __all__ = [
-    "AGENT_PID_ENV", "LAUNCHER_PID_ENV", "TORCHRUN_ENV", "TRAIN_MODULE", "DistInfo",
-    "all_gather_floats", "all_gather_objects", "argv_of", "barrier", "exit_with_supervisor", "first_failure",
-    "in_process_group", "init_distributed", "is_main", "pid_alive", "report_failure", "reported_by_launcher",
-    "run_agent", "spawn", "stamp_failure", "strip_options", "torchrun_command", "under_torchrun",
+    "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
+    "all_gather_floats", "all_gather_objects", "barrier", "check_config_file", "exit_with_supervisor",
+    "first_failure", "in_process_group", "init_distributed", "is_main", "pid_alive", "report_failure",
+    "reported_by_launcher", "run_agent", "spawn", "spawn_with_config", "stamp_failure", "strip_options",
+    "torchrun_command", "under_torchrun",
 ]
 
 # What torchrun sets in every rank's environment (the rendezvous address included).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # The -m entry points of the two multi-process commands.
-TRAIN_MODULE = "clusterlm.train"
+PACKAGE_ENTRY = "clusterlm"  # `python -m clusterlm <command>` on every rank (the package entry: no runpy warning)
+# sha256 of the config file a launcher wrote for its ranks (clusterlm <command> --config FILE): checked by each rank
+CONFIG_SHA_ENV = "CLUSTERLM_CONFIG_SHA256"
 # Set by spawn for what it starts: the pid of the launching process; and by the agent: its own pid.
 LAUNCHER_PID_ENV = "CLUSTERLM_LAUNCHER_PID"
 AGENT_PID_ENV = "CLUSTERLM_AGENT_PID"
@@ -90,7 +94,7 @@ def torchrun_command(
     argv: Sequence[str],
     nproc: int,
     *,
-    module: str = TRAIN_MODULE,
+    module: str = PACKAGE_ENTRY,
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "clusterlm",
@@ -100,7 +104,7 @@ def torchrun_command(
     Args:
         argv: the module's arguments.
         nproc: processes on this node.
-        module: the ``-m`` module every rank runs (``clusterlm.train``, ``clusterlm`` with ``select``).
+        module: the ``-m`` module every rank runs (``clusterlm``, the package entry, with the command first).
         nnodes: nodes; > 1 needs ``rdzv_endpoint`` (c10d rendezvous), 1 runs ``--standalone``.
         rdzv_endpoint: ``host:port`` of the rendezvous.
         rdzv_id: run id shared by the nodes.
@@ -120,26 +124,6 @@ def torchrun_command(
     else:
         cmd.append("--standalone")
     return [*cmd, "-m", module, *argv]
-
-
-def argv_of(parser: argparse.ArgumentParser, args: argparse.Namespace, *, skip: Sequence[str] = ()) -> list[str]:
-    """The command line that ``parser`` parses back into ``args``: every option whose value is not the default
-    (options whose ``dest`` is in ``skip`` left out, e.g. the launcher's own when starting the ranks)."""
-    argv: list[str] = []
-    for action in parser._actions:  # argparse has no public list of a parser's options
-        if not action.option_strings or action.dest == "help" or action.dest in skip:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        opt = max(action.option_strings, key=len)
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(opt)
-        elif action.nargs == "?" and value == action.const:
-            argv.append(opt)
-        else:
-            argv += [opt, str(value)]
-    return argv
 
 
 def strip_options(argv: Sequence[str], options: Sequence[str]) -> list[str]:
@@ -175,7 +159,7 @@ def spawn(
     warning; the ranks set torch's thread count themselves).
 
     Args:
-        module: e.g. ``clusterlm.train``, or ``clusterlm`` (the package entry) with ``select`` first in argv.
+        module: ``clusterlm`` (the package entry) with the command (``train``, ``select``) first in argv.
         argv: the module's arguments.
         nproc / nnodes / rdzv_endpoint / rdzv_id: see :func:`torchrun_command`.
         env: extra environment variables for the processes.
@@ -208,6 +192,53 @@ def spawn(
             proc.kill()
             rc = proc.wait()
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
+
+
+class SpawnFailed(RuntimeError):
+    """The spawned processes failed with exit status ``code``; the failing rank's line is printed already."""
+
+    def __init__(self, code: int, command: str = "clusterlm") -> None:
+        super().__init__(f"{command}: the processes failed with exit status {code} (the failing rank's message is "
+                         "above)")
+        self.code = code
+
+
+def spawn_with_config(
+    command: str,
+    config_path: Path,
+    sha256: str,
+    nproc: int,
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "clusterlm",
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Run ``clusterlm COMMAND --config CONFIG_PATH`` on ``nproc`` processes (:func:`spawn`); every rank reads its
+    settings from that file after checking its sha256 (:func:`check_config_file`), never from a rebuilt command line.
+
+    Raises:
+        SpawnFailed: a rank failed (its line is printed already); ``.code`` is the exit status.
+    """
+    rc = spawn(PACKAGE_ENTRY, [command, "--config", str(config_path)], nproc, nnodes=nnodes,
+               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, env={**(env or {}), CONFIG_SHA_ENV: sha256})
+    if rc != 0:
+        raise SpawnFailed(rc, f"clusterlm {command}")
+
+
+def check_config_file(path: str | os.PathLike) -> None:
+    """In a rank started by :func:`spawn_with_config`: the config file is the one its launcher wrote.
+
+    Raises:
+        ValueError: the file's sha256 differs from ``CLUSTERLM_CONFIG_SHA256`` (it changed after the launch).
+    """
+    expected = os.environ.get(CONFIG_SHA_ENV)
+    if not expected:
+        return
+    actual = checksum(Path(path).read_text(encoding="utf-8"))
+    if actual != expected:
+        raise ValueError(f"--config {path} changed after the launcher wrote it (sha256 {actual[:12]}..., expected "
+                         f"{expected[:12]}...); another run wrote to the same --out? Start the run again.")
 
 
 # ---------------------------------------------------------------------------------------------------

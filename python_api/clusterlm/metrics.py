@@ -14,7 +14,7 @@ naming the file, and never leaves half a record or a temporary file.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,11 @@ LOSS_WINDOW_MAX = 10
 class MetricsLog:
     """``metrics.jsonl`` (rank 0 only): every record is also kept, for checkpoints and the summary."""
 
-    def __init__(self, path: Path, enabled: bool, records: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, path: Path, enabled: bool, records: list[dict[str, Any]] | None = None,
+                 sink: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.path = path
         self.enabled = enabled
+        self.sink = sink  # also sends each new record elsewhere (TensorBoard, W&B: clusterlm.reporting)
         self.records: list[dict[str, Any]] = list(records or [])
         if enabled:  # (re)write what the run holds so far: a resumed run drops steps after its checkpoint
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
@@ -52,6 +54,8 @@ class MetricsLog:
         self.records.append(record)
         if self.enabled:
             append_text(self.path, json.dumps(record) + "\n")
+            if self.sink is not None:
+                self.sink(record)
 
 
 def step_record(stats: dict[str, float], dt: float, cpu: float, di: DistInfo, step: int, epoch: float,
@@ -94,7 +98,7 @@ def _max_over_mean(x: np.ndarray) -> float | None:
     return float(np.mean(x.max(1) / np.maximum(x.mean(1), 1e-9)))
 
 
-def summarize(records: list[dict[str, Any]], counters: dict[str, Any], args: Any, di: DistInfo, plan: Any,
+def summarize(records: list[dict[str, Any]], counters: dict[str, Any], config: Any, di: DistInfo, plan: Any,
               total_steps: int, wall: float, resumed_from: str | None) -> dict[str, Any]:
     """``summary.json``: from the run's records, counters, options (``plan``, ``micro_batch_size``,
     ``grad_accum``), ranks and plan."""
@@ -109,10 +113,10 @@ def summarize(records: list[dict[str, Any]], counters: dict[str, Any], args: Any
         "total_steps": total_steps,
         "world_size": di.world_size,
         "device": di.device.type,
-        "plan": args.plan,
+        "plan": config.plan,
         "plan_method": plan.config.get("method"),
         "examples_per_rank": plan.per_rank,
-        "examples_per_step": args.micro_batch_size * args.grad_accum * di.world_size,
+        "examples_per_step": config.micro_batch_size * config.grad_accum * di.world_size,
         "tokens": int(counters["tokens"]),
         "train_time_s": float(counters["train_time"]),
         "wall_time_s": wall,

@@ -30,35 +30,29 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from clusterlm._io import atomic_write_json, storage_errno, storage_error
 from clusterlm.config import ResolvedSelection, SelectConfig
+from clusterlm.configio import check_keys, read_config_file, to_dict, write_config
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
 from clusterlm.distributed import DistributedClustering, featurize_sharded
-from clusterlm.launch import DistInfo, barrier, init_distributed, spawn, strip_options, under_torchrun
+from clusterlm.launch import DistInfo, SpawnFailed, barrier, init_distributed, spawn_with_config, under_torchrun
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
+from clusterlm.readers import max_length_arg, positive_int_arg
 from clusterlm.report import draw_report, save_report_data
 from clusterlm.select import build_featurizer, feature_settings, featurizer_record, select_from_features
 from clusterlm.store import FeatureStore
 
-__all__ = ["STORE_KEY", "SelectJob", "SpawnFailed", "run_select", "writable_dir"]
+__all__ = ["SELECT_CONFIG", "STORE_KEY", "SelectJob", "SpawnFailed", "check_job", "run_select", "writable_dir"]
 
 STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
-SELECT_ENTRY = "clusterlm"  # `python -m clusterlm select ARGS` on every rank (the package entry: no runpy warning)
-
-
-class SpawnFailed(Exception):
-    """The spawned selection processes failed with ``code``; the failing rank's line is printed already."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+SELECT_CONFIG = "select_config.yaml"  # in OUT: the resolved job (clusterlm select --config reads it back)
 
 
 @dataclass(frozen=True)
@@ -66,36 +60,67 @@ class SelectJob:
     """One selection run: inputs, outputs and the selection settings.
 
     Attributes:
-        model: built-in name, a ``.gguf`` file, a local Hugging Face directory or a cached hub id.
-        data: the training data file (``.jsonl`` / ``.json`` / ``.parquet``).
-        out: directory for ``plan.json``, ``plan.npz``, ``report.png`` (and ``features/``).
-        config: the selection settings.
+        model: built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, a local
+            Hugging Face directory or a cached hub id.
+        data: the training data file (.jsonl / .json / .parquet with prompt/response, instruction/input/output or
+            messages columns).
+        out: directory for plan.json, plan.npz, report.png, select_config.yaml (and features/).
+        config: the selection settings (their options are SelectConfig's fields).
         max_length: truncate examples to this many tokens.
-        chat_template: ``"auto"`` | ``"on"`` | ``"off"``: render prompt/response data through the chat template.
-        feature_store: keep the features there instead of ``OUT/features``.
-        progress: progress bars and stage lines.
-        device: where the model and the features run: ``"auto"`` (CUDA when present, ``cuda:LOCAL_RANK`` under
-            torchrun), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (:func:`clusterlm.models.resolve_device`).
-        dtype: the weights' dtype: ``"auto"`` (bfloat16 on a CUDA device that supports it, else float32),
-            ``"float32"``, ``"bfloat16"``, ``"float16"``; loaded straight onto the device in it.
-        nproc: selection processes on this machine (> 1: sharded features and distributed K-means).
-        argv: the ``clusterlm select`` arguments, for starting ``nproc`` processes.
+        chat_template: render prompt/response data through the tokenizer's chat template (auto: when it has one).
+        feature_store: keep the features there instead of OUT/features (resumable).
+        progress: progress bars and stage lines (--no-progress: none).
+        device: where the model and the features run: auto (CUDA when present, cuda:LOCAL_RANK under torchrun),
+            cpu, cuda, cuda:N.
+        dtype: the weights' dtype, loaded straight onto the device: auto (bfloat16 on a CUDA device that supports
+            it, else float32), float32, bfloat16, float16.
+        nproc: selection processes on this machine (torch.distributed.run; sharded features and distributed
+            K-means; the plan is the same as with 1).
         debug: the ranks of a spawned run print tracebacks too.
     """
 
-    model: str
-    data: str
-    out: str | os.PathLike
-    config: SelectConfig
-    max_length: int = DEFAULT_MAX_LENGTH
-    chat_template: str = "auto"
+    model: str | None = None
+    data: str | None = None
+    out: str | os.PathLike | None = field(default=None, metadata={"parse": str})
+    config: SelectConfig = field(default_factory=SelectConfig, metadata={"cli": False})
+    max_length: int = field(default=DEFAULT_MAX_LENGTH, metadata={"parse": max_length_arg})
+    chat_template: Literal["auto", "on", "off"] = "auto"
     feature_store: str | None = None
     progress: bool = True
     device: str = "auto"
-    dtype: str = "auto"
-    nproc: int = 1
-    argv: tuple[str, ...] = field(default=())
-    debug: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    nproc: int = field(default=1, metadata={"parse": positive_int_arg})
+    debug: bool = field(default=False, metadata={"cli": False})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, flat: the job's fields and the selection settings side by side (what select_config.yaml
+        holds; ``debug`` is left out)."""
+        job = {k: v for k, v in to_dict(self).items() if k not in ("config", "debug")}
+        return {**job, **to_dict(self.config)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "SelectJob") -> SelectJob:
+        """The job of a flat mapping (job fields and SelectConfig fields; an unknown name is refused, naming the
+        closest field)."""
+        job_names = {f.name for f in fields(cls)} - {"config"}
+        job = {k: v for k, v in data.items() if k in job_names}
+        settings = {k: v for k, v in data.items() if k not in job_names}
+        check_keys(settings, SelectConfig, where)
+        settings = {k: tuple(v) if isinstance(v, list) and k == "dim" else v for k, v in settings.items()}
+        return cls(**job, config=SelectConfig(**settings))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SelectJob:
+        """Read a YAML/JSON file of the job (e.g. ``OUT/select_config.yaml``).
+
+        Raises:
+            FileNotFoundError / ValueError: no such file, not YAML/JSON, an unknown key.
+        """
+        return cls.from_dict(read_config_file(path), f"--config {path}")
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the YAML file (atomically); the sha256 of its text."""
+        return write_config(self.to_dict(), Path(path), header="clusterlm select --config FILE (SelectJob)")
 
 
 def writable_dir(path: str | os.PathLike, option: str) -> Path:
@@ -134,6 +159,10 @@ def check_job(job: SelectJob) -> None:
     Raises:
         ValueError / TypeError: a bad setting (named); FileNotFoundError: no such data file.
     """
+    missing = [f"--{n}" for n in ("model", "data", "out") if getattr(job, n) is None]
+    if missing:
+        raise ValueError(f"select: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an option, or "
+                         "a field of the --config file).")
     job.config.check()
     resolve_device(job.device)  # --device cuda without CUDA: one line now, never a silent CPU run
     if isinstance(job.data, (str, os.PathLike)) and not Path(job.data).expanduser().exists():
@@ -160,12 +189,10 @@ def run_select(job: SelectJob) -> Plan:
 
 
 def _spawn(job: SelectJob) -> Plan:
-    if not job.argv:
-        raise ValueError("select: nproc > 1 needs the command line (use `clusterlm select ... --nproc N`).")
+    """Start ``job.nproc`` ranks on the job's config file (OUT/select_config.yaml); the plan rank 0 wrote."""
     env = {"CLUSTERLM_DEBUG": "1"} if job.debug else None  # the ranks show tracebacks too
-    rc = spawn(SELECT_ENTRY, ["select", *strip_options(job.argv, ("--nproc",))], job.nproc, env=env)
-    if rc != 0:
-        raise SpawnFailed(rc)
+    path = Path(job.out) / SELECT_CONFIG
+    spawn_with_config("select", path, job.save(path), job.nproc, env=env)
     return Plan.load(job.out)
 
 
@@ -230,6 +257,7 @@ def _save(job: SelectJob, plan: Plan, feats: Any, s: ResolvedSelection, t_start:
     out = Path(job.out)
     _stage(True, "3/4", f"writing {out}/plan.json, plan.npz")
     plan.save(out)
+    job.save(out / SELECT_CONFIG)
     save_report_data(out, np.asarray(feats), seed=s.seed)
     _stage(True, "4/4", f"drawing {out}/report.png")
     draw_report(out, plan)

@@ -8,17 +8,17 @@ are built from that data set: :mod:`clusterlm.models` imports it, and this modul
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from clusterlm import train as trainer
 from clusterlm.config import SelectConfig
 from clusterlm.demo import demo_data
+from clusterlm.launch import SpawnFailed
 from clusterlm.pipeline import SelectJob, run_select
+from clusterlm.train_config import TrainConfig
+from clusterlm.train_launch import train
 
 __all__ = ["DEMO_OUT", "run_demo", "train_demo"]
 
@@ -26,8 +26,7 @@ DEMO_OUT = "runs/demo"
 
 
 def run_demo(out: str | os.PathLike = DEMO_OUT, *, world_size: int = 2, ratio: float = 0.31, seed: int = 0,
-             train_steps: int = 40, progress: bool = True,
-             run_here: Callable[[list[str]], int] | None = None) -> None:
+             train_steps: int = 40, progress: bool = True) -> None:
     """Select on the built-in data for ``world_size`` ranks at ``ratio``, then train ``train_steps`` steps.
 
     Writes ``OUT/plan`` (plan, report) and ``OUT/train`` (metrics, curve); prints where.
@@ -45,7 +44,7 @@ def run_demo(out: str | os.PathLike = DEMO_OUT, *, world_size: int = 2, ratio: f
     if train_steps > 0:
         print(f"\n[train] {world_size} CPU ranks (gloo), {train_steps} steps on the plan", flush=True)
         summary = train_demo(out / "plan", out / "train", nproc=world_size, max_steps=train_steps, seed=seed,
-                             progress=progress, run_here=run_here)
+                             progress=progress)
         before, after = summary.get("initial_eval_loss"), summary.get("final_eval_loss")
         if before is not None and after is not None:
             print(f"held-out answer-token loss: {before:.3f} before -> {after:.3f} after training")
@@ -66,8 +65,7 @@ def train_demo(
     eval_max_examples: int | None = 128,
     seed: int = 0,
     progress: bool = True,
-    extra_args: Sequence[str] = (),
-    run_here: Callable[[list[str]], int] | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Train the demo model on the demo data with a plan made by ``clusterlm demo``; returns the summary.
 
@@ -77,23 +75,17 @@ def train_demo(
         nproc: processes (CPU ranks with gloo, or GPUs).
         max_steps / micro_batch_size / lr / eval_every / eval_max_examples / seed: trainer options.
         progress: progress bar.
-        extra_args: further trainer arguments.
-        run_here: runs a one-process training in this process (the CLI's ``train`` entry); None: a child process.
+        overrides: further :class:`clusterlm.TrainConfig` settings (e.g. ``fsdp=True``).
 
     Raises:
         RuntimeError: the training processes failed.
     """
     demo = demo_data()
-    argv = ["--plan", str(plan_dir), "--model", "tiny-llama", "--data", str(demo.train), "--eval-data",
-            str(demo.heldout), "--out", str(out_dir), "--max-steps", str(max_steps), "--micro-batch-size",
-            str(micro_batch_size), "--lr", str(lr), "--warmup-steps", str(max(1, max_steps // 10)),
-            "--eval-every", str(eval_every), "--seed", str(seed), "--overwrite", "--no-save-model"]
-    if eval_max_examples is not None:
-        argv += ["--eval-max-examples", str(eval_max_examples)]
-    if not progress:
-        argv.append("--no-progress")
-    argv += list(extra_args)
-    rc = trainer.launch(argv, nproc, run_here=run_here)
-    if rc != 0:
-        raise RuntimeError(f"train_demo: the trainer exited with status {rc} (its output is above).")
-    return json.loads((Path(out_dir) / trainer.SUMMARY).read_text(encoding="utf-8"))
+    config = TrainConfig(plan=str(plan_dir), model="tiny-llama", data=str(demo.train), eval_data=str(demo.heldout),
+                         out=str(out_dir), max_steps=max_steps, micro_batch_size=micro_batch_size, lr=lr,
+                         warmup_steps=max(1, max_steps // 10), eval_every=eval_every, seed=seed, overwrite=True,
+                         save_model=False, eval_max_examples=eval_max_examples, progress=progress, nproc=nproc)
+    try:
+        return train(config.replace(**dict(overrides))).summary
+    except SpawnFailed as e:
+        raise RuntimeError(f"train_demo: the trainer exited with status {e.code} (its output is above).") from None

@@ -1,6 +1,6 @@
 """CluSTER selection: gradient features -> capacity-constrained K-means -> balanced picks -> a Plan.
 
-The method (DESIGN.md §1), one call::
+The method (docs/design.md section 1), one call::
 
     plan = clusterlm.select(model, dataset, world_size=4, ratio=0.31)
     plan.save("plan/")

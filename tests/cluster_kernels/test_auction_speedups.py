@@ -1,6 +1,6 @@
 """The native auction's shortcuts (issue 22) take the decisions of the full eps schedule.
 
-csrc/cpu/auction.cpp stops an auction once every point sits at its exact argmin with nothing over capacity
+csrc/cpu/floor_auction.cpp stops an auction once every point sits at its exact argmin with nothing over capacity
 (the later eps phases would move nothing), keeps each point's second-cheapest cost between rounds while the
 prices it depends on stay, makes its reverse steps from a column-major copy with a per-thread preselection
 (re-reading only the rows an earlier scan for the same cluster kept, while a bound allows), and builds member
@@ -20,7 +20,7 @@ from test_distributed import ThreadComm, run_threads
 
 import cluster_kernels._collectives as coll
 from cluster_kernels import _backend
-from cluster_kernels.kmeans import _exact_prices_ref, assign_ref
+from cluster_kernels.kmeans_reference import _exact_prices_ref, assign_ref
 
 C = _backend.native()
 pytestmark = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")
@@ -147,7 +147,7 @@ def _cap_instance(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_certificate_gives_exact_prices_for_optimal_labels(seed):
-    # The floor auction ends early when its labels are already optimal: exact_prices (csrc/cpu/auction_objects.h,
+    # The floor auction ends early when its labels are already optimal: exact_prices (csrc/common/certificate.h,
     # _exact_prices_ref) must then return prices under which every point sits at its exact argmin, with
     # positive prices on full clusters only (complementary slackness with no eps).
     cost, lo, hi = _cap_instance(seed)

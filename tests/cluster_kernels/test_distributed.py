@@ -15,7 +15,7 @@ import cluster_kernels._collectives as coll
 import cluster_kernels.distributed as dist_mod
 from cluster_kernels import _backend, capacity_kmeans
 from cluster_kernels.distributed import DistributedKMeansResult, distributed_capacity_kmeans, shard_rows
-from cluster_kernels.kmeans import assign_ref
+from cluster_kernels.kmeans_reference import assign_ref
 
 N = 300  # divisible by every k below, so min_size = max_size = N / k is exact balance
 SPLITS = {2: [110, 190], 3: [60, 140, 100]}  # unequal shards, in rank order

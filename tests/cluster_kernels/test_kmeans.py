@@ -16,7 +16,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, vstack
 
 from cluster_kernels import _backend, assign_with_capacity, capacity_kmeans
-from cluster_kernels.kmeans import N_LOCAL_TRIALS_BASE, SplitMix64, assign_ref, kmeans_plusplus, run_seed
+from cluster_kernels.kmeans_reference import N_LOCAL_TRIALS_BASE, SplitMix64, assign_ref, kmeans_plusplus, run_seed
 
 C = _backend.native()
 needs_native = pytest.mark.skipif(C is None, reason="cluster_kernels._C is not built")

@@ -1,10 +1,10 @@
-"""The CUDA path of capacity-constrained K-means (csrc/cuda: kmeans.cu, auction.cu, device_utils.cu).
+"""The CUDA path of capacity-constrained K-means (csrc/cuda: lloyd.cu, auction.cu and the files they use).
 
 * ``test_cuda_source_compiles`` needs only a CUDA toolkit: it compiles every ``.cu`` file of csrc/cuda (the
   ones setup.py builds) with the build's nvcc flags (cluster_kernels/_cuda_build.py) and fails on a warning
   from our sources.
 * Every other test needs a CUDA GPU and an extension built with its CUDA part. The CUDA code repeats
-  every decision of the C++/OpenMP path (csrc/cpu/kmeans.cpp) with the arithmetic of its portable distance
+  every decision of the C++/OpenMP path (csrc/cpu/lloyd.cpp) with the arithmetic of its portable distance
   loop, so the CPU side of these comparisons runs that loop (``CLUSTER_KERNELS_BLAS=0``: its BLAS tiles
   round differently) and on the same inputs the labels are the CPU's; costs are also checked against the
   float64 torch reference.
@@ -23,7 +23,7 @@ import torch
 
 from cluster_kernels import _backend, assign_with_capacity, capacity_kmeans
 from cluster_kernels._cuda_build import find_nvcc, nvcc_command
-from cluster_kernels.kmeans import assign_ref
+from cluster_kernels.kmeans_reference import assign_ref
 
 REPO = Path(__file__).resolve().parents[2]
 CU_SOURCES = sorted((REPO / "csrc" / "cuda").glob("*.cu"))
@@ -55,7 +55,7 @@ needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 
 def test_every_cuda_source_is_built() -> None:
     """setup.py compiles every .cu file of csrc/cuda (the split of the Lloyd driver, the auction, the helpers)."""
-    assert {p.name for p in CU_SOURCES} >= {"kmeans.cu", "auction.cu", "device_utils.cu"}
+    assert {p.name for p in CU_SOURCES} >= {"lloyd.cu", "auction.cu", "floor_auction.cu", "dummy_auction.cu", "device_utils.cu"}
     assert 'glob("*.cu")' in (REPO / "setup.py").read_text()
 
 

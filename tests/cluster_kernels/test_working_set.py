@@ -1,4 +1,4 @@
-"""Warm auctions on a working set (csrc/cpu/auction.cpp, WorkingSet) solve the whole problem.
+"""Warm auctions on a working set (csrc/cpu/working_set.cpp, WorkingSet) solve the whole problem.
 
 Between Lloyd iterations the native floor auction runs on the rows near a boundary only, holds every other row at
 its cheapest cluster at the previous prices, and grows the set until every held row is still at a cheapest cluster

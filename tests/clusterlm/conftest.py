@@ -6,10 +6,15 @@ written to ``~/.cache/clusterlm`` and the default-root code path (no ``root`` ar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
+
+SMALL_MAX_LENGTH = 96  # tokens: short examples keep the 2-rank runs of the API tests fast
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +32,27 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def demo_tokenizer(demo: Any) -> Any:
     """The demo tokenizer (``PreTrainedTokenizerFast``)."""
     return demo.load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def small_sft(demo, tmp_path_factory):
+    """60 short training examples and 16 held-out ones of the demo splits, and a 2-rank plan on them."""
+    from clusterlm.data import load_data
+    from clusterlm.models import load_model
+    from clusterlm.select import select_from_features
+
+    root = tmp_path_factory.mktemp("small_sft")
+    _, tokenizer, model_id = load_model("tiny-llama")
+    files = {}
+    for split, n in (("train", 60), ("heldout", 16)):
+        records = demo.records(split)
+        full = load_data(records[:400], tokenizer, max_length=None, progress=False)
+        short = [r for r, length in zip(records, full.lengths, strict=False) if length <= SMALL_MAX_LENGTH][:n]
+        files[split] = root / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in short), encoding="utf-8")
+    data = load_data(files["train"], tokenizer, max_length=SMALL_MAX_LENGTH, progress=False)
+    feats = np.random.default_rng(0).standard_normal((len(data), 8)).astype(np.float32)
+    plan = select_from_features(feats, world_size=2, ratio=0.5, lengths=data.lengths, fingerprint=data.fingerprint(),
+                                model_id=model_id, seed=0)
+    return SimpleNamespace(root=root, train=files["train"], heldout=files["heldout"], plan=plan,
+                           max_length=SMALL_MAX_LENGTH)

@@ -3,7 +3,7 @@ rerun that recomputes nothing, and a rerun after a lost record that recomputes e
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 
@@ -11,22 +11,37 @@ import numpy as np
 import pytest
 
 import clusterlm.cli as cli
-import clusterlm.compare as compare
+from clusterlm import compare_config, compare_output, compare_run, compare_stats
+from clusterlm.compare_config import CompareConfig
+from clusterlm.options import parse_config
 
 
 def _argv(tmp_path, data, heldout) -> list[str]:
     return ["--data", str(data), "--eval-data", str(heldout), "--model", "tiny-llama", "--methods", "random,cluster",
             "--seeds", "1", "--world-size", "1", "--max-steps", "2", "--micro-batch-size", "4", "--n-validation", "2",
-            "--out", str(tmp_path / "cmp"), "--no-progress"]
+            "--out", str(tmp_path / "cmp")]
 
 
-def _args(tmp_path, data, heldout, **over) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_compare_args(parser)
-    args = parser.parse_args(_argv(tmp_path, data, heldout))
-    for k, v in over.items():
-        setattr(args, k, v)
-    return args
+def _with(config: CompareConfig, **over) -> CompareConfig:
+    """``config`` with ``over`` applied: CompareConfig fields directly, training settings to its ``train``."""
+    names = {f.name for f in dataclasses.fields(CompareConfig)}
+    train = {k: v for k, v in over.items() if k not in names}
+    return config.replace(**{k: v for k, v in over.items() if k in names}, train=config.train.replace(**train))
+
+
+def _args(tmp_path, data, heldout, **over) -> CompareConfig:
+    """The CompareConfig ``clusterlm compare`` builds from the small settings' options, with ``over`` applied."""
+    config = cli.compare_config(parse_config(cli.compare_parser(), _argv(tmp_path, data, heldout)))
+    return _with(config, **over)
+
+
+def _compare(config: CompareConfig) -> int:
+    """``clusterlm compare`` (:func:`clusterlm.cli.cmd_compare`) on the parsed values of ``config``: its exit status."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
+    values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)
+               if f.name not in compare_config.TRAIN_PER_UNIT}
+    assert cli.compare_config(values) == config
+    return cli.cmd_compare(values, False)
 
 
 @pytest.fixture()
@@ -42,7 +57,7 @@ def small_demo(demo, tmp_path):
 def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, tmp_path, monkeypatch, capsys):
     train, heldout = small_demo
     args = _args(tmp_path, train, heldout, n_validation=None)  # the default: no LESS, no validation tail
-    assert cli.cmd_compare(args) == 0
+    assert _compare(args) == 0
     out = tmp_path / "cmp"
     result = json.loads((out / "compare.json").read_text())
     assert [r["method"] for r in result["records"]] == ["random", "cluster"]
@@ -56,35 +71,35 @@ def test_compare_runs_real_methods_and_resumes_without_recomputing(small_demo, t
     assert "cluster_total_over_random_total" in result["goals"]
     assert (out / "compare.png").stat().st_size > 0 and "| cluster |" in (out / "compare.md").read_text()
     # every unit's per-example held-out losses next to compare.json; the interval of cluster vs random in the summary
-    units = json.loads((out / compare.EVAL_LOSSES).read_text())["units"]
+    units = json.loads((out / compare_run.EVAL_LOSSES).read_text())["units"]
     assert [len(u["tokens"]) for u in units] == [10, 10] and all(t > 0 for t in units[0]["tokens"])
     assert sum(units[1]["loss_sums"]) / sum(units[1]["tokens"]) == pytest.approx(result["records"][1]["eval_loss"])
     row = result["summary"]["cluster"]
     assert row["ci95_vs_random"][0] <= row["delta_vs_random"] <= row["ci95_vs_random"][1]
     assert row["interval_vs_random"] == "seeds x eval examples" and "delta_vs_full" not in row
     assert "verdict: cluster vs random: " in (out / "compare.md").read_text()
-    state = (out / compare.STATE).read_text()
+    state = (out / compare_run.STATE).read_text()
     assert len(state.splitlines()) == 2
 
     # a rerun with the same settings: nothing is selected or trained again
     calls: list[str] = []
-    real_select, real_launch = compare._select, compare.launch
-    monkeypatch.setattr(compare, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
-    monkeypatch.setattr(compare, "launch", lambda *a, **k: (calls.append("train"), real_launch(*a, **k))[1])
-    assert cli.cmd_compare(args) == 0
-    assert calls == [] and (out / compare.STATE).read_text() == state
+    real_select, real_train = compare_run._select, compare_run.train
+    monkeypatch.setattr(compare_run, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
+    monkeypatch.setattr(compare_run, "train", lambda *a, **k: (calls.append("train"), real_train(*a, **k))[1])
+    assert _compare(args) == 0
+    assert calls == [] and (out / compare_run.STATE).read_text() == state
     assert "2 done earlier" in capsys.readouterr().out
 
     # a unit whose record is lost (killed before it was written) is the only one redone
-    (out / compare.STATE).write_text(state.splitlines(keepends=True)[0])
-    assert cli.cmd_compare(args) == 0
+    (out / compare_run.STATE).write_text(state.splitlines(keepends=True)[0])
+    assert _compare(args) == 0
     assert calls == ["cluster", "train"]
-    assert len((out / compare.STATE).read_text().splitlines()) == 2
+    assert len((out / compare_run.STATE).read_text().splitlines()) == 2
 
     # other settings do not reuse the records
-    other = _args(tmp_path, train, heldout, methods=["random"], max_steps=1)
+    other = _args(tmp_path, train, heldout, methods=("random",), max_steps=1)
     calls.clear()
-    assert cli.cmd_compare(other) == 0
+    assert _compare(other) == 0
     assert calls == ["random", "train"]
 
 
@@ -99,9 +114,9 @@ def _main(tmp_path, data, heldout, *extra: str) -> int:
 def test_frontier_over_ratios_with_longest_and_a_variant_reuses_features(small_demo, tmp_path, monkeypatch):
     train, heldout = small_demo
     variant = "cluster[feature_tokens=8,within_cluster=kcenter]"
-    args = _args(tmp_path, train, heldout, methods=["random", "longest", variant], ratios=[0.2, 0.31], max_steps=1,
+    args = _args(tmp_path, train, heldout, methods=("random", "longest", variant), ratios=(0.2, 0.31), max_steps=1,
                  n_validation=0)
-    assert cli.cmd_compare(args) == 0
+    assert _compare(args) == 0
     out = tmp_path / "cmp"
     result = json.loads((out / "compare.json").read_text())
     assert [(p["ratio"], p["method"]) for p in result["frontier"]] == [(r, m) for r in (0.2, 0.31)
@@ -133,17 +148,17 @@ def test_frontier_over_ratios_with_longest_and_a_variant_reuses_features(small_d
     assert "### frontier" in md and f"verdict: {variant} vs random: " in md and "reused" in md
     assert "| tokens read by selection |" in md and "model load (once" in md
     assert (out / "compare.png").stat().st_size > 0
-    assert (out / "runs" / f"{compare.parse_method(variant).slug}-r0.31-s0" / "plan").is_dir()
+    assert (out / "runs" / f"{compare_config.parse_method(variant).slug}-r0.31-s0" / "plan").is_dir()
     # one of the ratios again: every unit is reused (records are kept per ratio)
-    monkeypatch.setattr(compare, "_select", lambda *a, **k: pytest.fail("selected again"))
-    again = compare.run_compare(_args(tmp_path, train, heldout, methods=["random", "longest", variant], ratios=[0.31],
+    monkeypatch.setattr(compare_run, "_select", lambda *a, **k: pytest.fail("selected again"))
+    again = compare_run.compare(_args(tmp_path, train, heldout, methods=("random", "longest", variant), ratios=(0.31,),
                                       max_steps=1, n_validation=0))
-    assert [r["ratio"] for r in again["records"]] == [0.31] * 3
+    assert [r["ratio"] for r in again.data["records"]] == [0.31] * 3
 
 
 def test_compare_argument_errors(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
-    monkeypatch.setattr("clusterlm.compare._select", lambda *a, **k: pytest.fail("selected"))
+    monkeypatch.setattr("clusterlm.compare_run._select", lambda *a, **k: pytest.fail("selected"))
     assert _main(tmp_path, train, heldout, "--ratio", "1.5") == 2
     assert _main(tmp_path, train, heldout, "--n-validation", "10", "--methods", "random,less") == 2
     assert _main(tmp_path, train, heldout, "--n-validation", "10") == 2  # explicit: always held back
@@ -166,7 +181,7 @@ def test_compare_argument_errors(small_demo, tmp_path, capsys, monkeypatch):
 
 def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
-    monkeypatch.setattr("clusterlm.compare.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("clusterlm.compare_run.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert _main(tmp_path, train, heldout, "--methods", "full,cluster") == 2
     err = capsys.readouterr().err
     assert "--max-steps 2 with method 'full'" in err and len(err.strip().splitlines()) == 1
@@ -176,19 +191,19 @@ def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, ca
 
 
 def test_method_variants_parse_into_select_settings():
-    spec = compare.parse_method(" cluster[feature_tokens=32, within_cluster=kcenter; token_balance=false] ")
+    spec = compare_config.parse_method(" cluster[feature_tokens=32, within_cluster=kcenter; token_balance=false] ")
     assert spec.label == "cluster[feature_tokens=32, within_cluster=kcenter; token_balance=false]"
     assert spec.base == "cluster" and dict(spec.overrides) == {"feature_tokens": 32, "within_cluster": "kcenter",
                                                                 "token_balance": False}
     assert spec.slug == "cluster_feature_tokens_32_within_cluster_kcenter_token_balance_false"
-    assert dict(compare.parse_method("cluster[features=all-linear,max_cluster_size=none,token_balance_slack=0.2]")
-                .overrides) == {"features": "all-linear", "max_cluster_size": None, "token_balance_slack": 0.2}
-    assert compare.parse_methods("random,cluster[feature_tokens=32,n_init=1],cluster-whole") == [
+    spec = compare_config.parse_method("cluster[features=all-linear,max_cluster_size=none,token_balance_slack=0.2]")
+    assert dict(spec.overrides) == {"features": "all-linear", "max_cluster_size": None, "token_balance_slack": 0.2}
+    assert compare_config.parse_methods("random,cluster[feature_tokens=32,n_init=1],cluster-whole") == [
         "random", "cluster[feature_tokens=32,n_init=1]", "cluster-whole"]
     with pytest.raises(TypeError, match="unknown setting"):
-        compare.parse_method("cluster[feature_tokenz=32]")
+        compare_config.parse_method("cluster[feature_tokenz=32]")
     with pytest.raises(ValueError, match="feature_tokens must be"):
-        compare.parse_method("cluster[feature_tokens=1]")
+        compare_config.parse_method("cluster[feature_tokens=1]")
 
 
 def _record(method: str, seed: int, shift: float, n: int = 6) -> dict:
@@ -202,13 +217,13 @@ def _record(method: str, seed: int, shift: float, n: int = 6) -> dict:
 def test_summary_intervals_and_verdicts_on_known_records():
     recs = [_record(m, s, shift) for m, shift in (("random", 0.0), ("cluster", 0.0), ("longest", 0.05))
             for s in (0, 1, 2)]
-    summary = compare.summarize(recs, ["random", "cluster", "longest"])
+    summary = compare_stats.summarize(recs, ["random", "cluster", "longest"])
     assert summary["cluster"]["delta_vs_random"] == 0 and summary["cluster"]["ci95_vs_random"] == [0, 0]
     assert summary["longest"]["delta_vs_random"] == pytest.approx(0.05)
     assert summary["longest"]["ci95_vs_random"] == pytest.approx([0.05, 0.05])
     assert summary["cluster"]["paired_vs_random"]
     assert summary["cluster"]["interval_vs_random"] == "seeds x eval examples"
-    lines = compare.verdicts(summary)
+    lines = compare_stats.verdicts(summary)
     assert lines[0] == "verdict: random: the reference."
     assert lines[1].startswith("verdict: cluster vs random: +0.0000 [+0.0000, +0.0000], not distinguishable at 3 "
                                "seeds;")
@@ -216,7 +231,7 @@ def test_summary_intervals_and_verdicts_on_known_records():
     # records without per-example losses (an older compare) resample the seeds only; other seeds: unpaired
     old = [{k: v for k, v in r.items() if k != "eval_examples"} for r in recs]
     old = [dict(r, seed=r["seed"] + 10) if r["method"] == "cluster" else r for r in old]
-    row = compare.summarize(old, ["random", "cluster"])["cluster"]
+    row = compare_stats.summarize(old, ["random", "cluster"])["cluster"]
     assert row["interval_vs_random"] == "seeds only" and not row["paired_vs_random"]
 
 
@@ -224,7 +239,7 @@ def test_frontier_has_a_point_per_ratio_and_method_with_full_once():
     recs = [dict(_record("full", 0, -0.1), ratio=1.0)]
     recs += [dict(_record(m, 0, shift), ratio=r) for r, shift in ((0.2, 0.1), (0.5, 0.0))
              for m in ("random", "cluster")]
-    points = compare.frontier(recs, ["full", "random", "cluster"], [0.2, 0.5])
+    points = compare_stats.frontier(recs, ["full", "random", "cluster"], [0.2, 0.5])
     assert [(p["ratio"], p["method"]) for p in points] == [(1.0, "full"), (0.2, "random"), (0.2, "cluster"),
                                                           (0.5, "random"), (0.5, "cluster")]
     for p, r in zip(points, recs, strict=True):
@@ -236,10 +251,10 @@ def test_table_prints_no_spread_for_one_seed():
     rec = {"method": "random", "seed": 0, "selection_s": 0.5, "train_s": 10.0, "total_s": 10.5, "eval_loss": 1.25,
            "tokens": 100, "fraction": 0.31}
     one = {"settings": {"ratio": 0.31, "world_size": 2, "model": "m"}, "seeds": [0],
-           "summary": compare.summarize([rec], ["random"])}
-    assert "±" not in compare.markdown_table(one) and "| 1.2500 |" in compare.markdown_table(one)
-    two = dict(one, seeds=[0, 1], summary=compare.summarize([rec, dict(rec, seed=1, eval_loss=1.35)], ["random"]))
-    assert "1.3000 ± 0.0707" in compare.markdown_table(two)
+           "summary": compare_stats.summarize([rec], ["random"])}
+    assert "±" not in compare_output.markdown_table(one) and "| 1.2500 |" in compare_output.markdown_table(one)
+    two = dict(one, seeds=[0, 1], summary=compare_stats.summarize([rec, dict(rec, seed=1, eval_loss=1.35)], ["random"]))
+    assert "1.3000 ± 0.0707" in compare_output.markdown_table(two)
 
 
 def test_cluster_tokens_method_selects_by_token_budget(small_demo, tmp_path):
@@ -250,7 +265,7 @@ def test_cluster_tokens_method_selects_by_token_budget(small_demo, tmp_path):
     args = _args(tmp_path, train, heldout, world_size=2)
     model, tokenizer, model_id = load_model("tiny-llama")
     data = load_data(str(train), tokenizer, max_length=None, progress=False)
-    plan = compare._select("cluster-tokens", model, data, [], args, 0, model_id)
+    plan = compare_run._select("cluster-tokens", model, data, [], args, args.ratio, 0, model_id)
     assert plan.config["token_ratio"] == pytest.approx(0.31) and plan.config["ratio"] is None
     stats = plan.stats["token_budget"]
     assert stats["requested_tokens"] == round(0.31 * int(data.lengths.sum()))

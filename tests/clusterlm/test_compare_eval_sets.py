@@ -3,15 +3,17 @@ training data (and LESS's validation examples), every set reported per method, a
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 
 import pytest
 
 import clusterlm.cli as cli
-import clusterlm.compare as compare
+from clusterlm import compare_config, compare_output, compare_run, compare_stats
+from clusterlm.compare_config import CompareConfig
 from clusterlm.compare_eval import EvalSet, check_overlap, eval_sets_of, parse_eval_set, read_eval_sets
 from clusterlm.data import read_data
+from clusterlm.options import parse_config
 
 
 def _jsonl(path, records) -> str:
@@ -69,7 +71,7 @@ def _main(argv: list[str]) -> int:
 
 
 def test_bad_eval_data_is_one_line_before_any_model_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(compare, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(compare_run, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     train = _jsonl(tmp_path / "train.jsonl", [_pr(i) for i in range(8)])
     held = _jsonl(tmp_path / "held.jsonl", [_pr(i) for i in range(100, 104)])
     leak = _jsonl(tmp_path / "leak.jsonl", [_pr(100 + i) for i in range(3)] + [_pr(5), _pr(6)])
@@ -142,7 +144,7 @@ def _record(method: str, seed: int, shift: float, more_shift: float, n: int = 5)
 
 def test_every_set_gets_its_loss_interval_and_differences():
     recs = [_record("random", s, 0.0, 0.0) for s in (0, 1)] + [_record("cluster", s, 0.0, 0.2) for s in (0, 1)]
-    summary = compare.summarize(recs, ["random", "cluster"], ["code", "more"])
+    summary = compare_stats.summarize(recs, ["random", "cluster"], ["code", "more"])
     row = summary["cluster"]
     code, more = row["eval_sets"]["code"], row["eval_sets"]["more"]
     assert code["loss"] == pytest.approx(row["eval_loss"]) and code["delta_vs_random"] == row["delta_vs_random"] == 0
@@ -151,12 +153,12 @@ def test_every_set_gets_its_loss_interval_and_differences():
     assert more["ci95"][0] <= more["loss"] <= more["ci95"][1] and more["n_eval"] == 5
     assert "delta_vs_full" not in more and more["paired_vs_random"]
     meta = [{"name": "code", "primary": True, "evaluated": 5}, {"name": "more", "primary": False, "evaluated": 5}]
-    md = compare.markdown_table({"settings": {"ratio": 0.3, "world_size": 1, "model": "m"}, "seeds": [0, 1],
+    md = compare_output.markdown_table({"settings": {"ratio": 0.3, "world_size": 1, "model": "m"}, "seeds": [0, 1],
                                  "summary": summary, "eval_sets": meta})
     assert "#### evaluation set code (primary): 5 examples evaluated; before training 3.0000" in md
     assert "| cluster | " in md and "| +0.2000 [+0.2000, +0.2000] | - |" in md
     # one set: compare.md as before (no per-set tables)
-    assert "#### evaluation set" not in compare.markdown_table(
+    assert "#### evaluation set" not in compare_output.markdown_table(
         {"settings": {"ratio": 0.3, "world_size": 1, "model": "m"}, "seeds": [0, 1], "summary": summary,
          "eval_sets": meta[:1]})
 
@@ -172,31 +174,40 @@ def sets(demo, tmp_path):
     return train, code, more
 
 
-def _args(tmp_path, train, eval_data: list[str], methods: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_compare_args(parser)
+def _args(tmp_path, train, eval_data: list[str], methods: str) -> CompareConfig:
+    """The CompareConfig of ``clusterlm compare``'s options."""
     argv = ["--data", str(train), "--model", "tiny-llama", "--methods", methods, "--seeds", "1", "--world-size", "1",
-            "--max-steps", "1", "--micro-batch-size", "4", "--out", str(tmp_path / "cmp"), "--no-progress"]
-    return parser.parse_args(argv + [x for v in eval_data for x in ("--eval-data", v)])
+            "--max-steps", "1", "--micro-batch-size", "4", "--out", str(tmp_path / "cmp")]
+    return cli.compare_config(parse_config(cli.compare_parser(), argv + [x for v in eval_data for x in ("--eval-data",
+                                                                                                       v)]))
+
+
+def _compare(config: CompareConfig) -> int:
+    """``clusterlm compare`` (:func:`clusterlm.cli.cmd_compare`) on the parsed values of ``config``: its exit status."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
+    values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)
+               if f.name not in compare_config.TRAIN_PER_UNIT}
+    assert cli.compare_config(values) == config
+    return cli.cmd_compare(values, False)
 
 
 def test_two_sets_are_reported_per_method_and_keyed(sets, tmp_path, monkeypatch):
     train, code, more = sets
     out = tmp_path / "cmp"
     # one bare set: today's compare (the trainer reads the file itself)
-    assert cli.cmd_compare(_args(tmp_path, train, [str(code)], "random")) == 0
+    assert _compare(_args(tmp_path, train, [str(code)], "random")) == 0
     alone = json.loads((out / "compare.json").read_text())
     assert [m["name"] for m in alone["eval_sets"]] == ["code"] and "eval_sets" not in alone["settings"]
     assert "eval_sets" not in alone["records"][0] and "#### evaluation set" not in (out / "compare.md").read_text()
     calls: list[str] = []
-    real_select = compare._select
-    monkeypatch.setattr(compare, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
+    real_select = compare_run._select
+    monkeypatch.setattr(compare_run, "_select", lambda m, *a, **k: (calls.append(m), real_select(m, *a, **k))[1])
     # one set keys by its path as before: naming it reuses the record
-    compare.run_compare(_args(tmp_path, train, [f"code={code}"], "random"))
+    compare_run.compare(_args(tmp_path, train, [f"code={code}"], "random"))
     assert calls == []
 
     # two sets: other records (random again), both sets evaluated in every run and reported per method
-    assert cli.cmd_compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest")) == 0
+    assert _compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest")) == 0
     assert calls == ["random", "longest"]
     result = json.loads((out / "compare.json").read_text())
     assert [(m["name"], m["primary"], m["evaluated"]) for m in result["eval_sets"]] == [("code", True, 8),
@@ -211,10 +222,11 @@ def test_two_sets_are_reported_per_method_and_keyed(sets, tmp_path, monkeypatch)
     rec = result["records"][0]
     assert rec["n_eval"] == 8 and rec["eval_sets"]["more"]["n_eval"] == 5 and "eval_examples" not in rec
     # the primary set is evaluated exactly as when it was alone (same unit, same seed: same per-example losses)
-    losses = json.loads((out / compare.EVAL_LOSSES).read_text())
+    losses = json.loads((out / compare_run.EVAL_LOSSES).read_text())
     assert losses["eval_sets"] == ["code", "more"] and [len(u["sets"]["more"]["tokens"]) for u in losses["units"]] == [
         5, 5]
-    first = next(r for r in compare.read_state(out / compare.STATE) if r["key"] == alone["key"])["eval_examples"]
+    state = compare_run.read_state(out / compare_run.STATE)
+    first = next(r for r in state if r["key"] == alone["key"])["eval_examples"]
     assert losses["units"][0]["tokens"] == first["tokens"]
     assert losses["units"][0]["loss_sums"] == pytest.approx(first["loss_sums"], rel=1e-4)
     assert rec["initial_eval_loss"] == pytest.approx(alone["records"][0]["initial_eval_loss"], rel=1e-4)
@@ -224,12 +236,12 @@ def test_two_sets_are_reported_per_method_and_keyed(sets, tmp_path, monkeypatch)
 
     # the same sets again: nothing recomputed; another content under the same name and path: other records
     calls.clear()
-    compare.run_compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest"))
+    compare_run.compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest"))
     assert calls == []
     more.write_text(more.read_text(encoding="utf-8").replace('"response": "', '"response": "# edited\\n', 1))
-    monkeypatch.setattr(compare, "load_model", lambda *a, **k: (_ for _ in ()).throw(_Recompute()))
+    monkeypatch.setattr(compare_run, "load_model", lambda *a, **k: (_ for _ in ()).throw(_Recompute()))
     with pytest.raises(_Recompute):
-        compare.run_compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest"))
+        compare_run.compare(_args(tmp_path, train, [f"code={code}", f"more={more}"], "random,longest"))
 
 
 class _Recompute(Exception):

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 import clusterlm.features as features_mod
+import clusterlm.features.gradients as gradients_mod
 from cluster_kernels.projection import random_projection
 from clusterlm.features import GradientFeaturizer
 
@@ -211,7 +212,7 @@ def test_model_state_is_restored_on_error(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kernel failed")
 
-    monkeypatch.setattr(features_mod, "project_linear_grads", boom)
+    monkeypatch.setattr(gradients_mod, "project_linear_grads", boom)
     with pytest.raises(RuntimeError, match="kernel failed"):
         GradientFeaturizer(model, features="all-linear", dim=4).featurize(EXAMPLES, progress=False)
     assert model.training and all(p.requires_grad for p in model.parameters())

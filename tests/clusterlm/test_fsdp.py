@@ -20,17 +20,20 @@ import numpy as np
 import pytest
 import test_train
 import torch
-from test_train import MAX_LENGTH, _records, _tiny_model, _ToyLM, _train, _weight_plan
+from test_train import MAX_LENGTH, _config, _records, _tiny_model, _ToyLM, _train, _weight_plan
 
-from clusterlm import compare
-from clusterlm import train as T
-from clusterlm.engine import build_optimizer, evaluate, find_checkpoint, forward_backward, make_micro_batches
+from clusterlm import cli, compare_run, train_launch
+from clusterlm.engine import CKPT_DIR, build_optimizer, evaluate, find_checkpoint, forward_backward, make_micro_batches
 from clusterlm.fsdp import (
     STATE_FILE,
     ShardedAdafactor,
     decoder_blocks,
     remove_partial_checkpoints,
 )
+from clusterlm.launch import SpawnFailed
+from clusterlm.metrics import SUMMARY
+from clusterlm.options import parse_config
+from clusterlm.train_config import LATEST, TRAIN_CONFIG, TrainConfig
 
 STEPS = 5
 env = test_train.env  # the 2-rank demo subset and plans of the DDP trainer's tests (a session fixture)
@@ -44,12 +47,22 @@ def _argv(env, out: Path, *extra: str) -> list[str]:
             "--log-every", "1", *extra]
 
 
+def _launch(argv: list[str], nproc: int) -> int:
+    """:func:`clusterlm.train` of ``clusterlm train ARGV`` on ``nproc`` ranks: 0, or the failed ranks' status."""
+    try:
+        train_launch.train(_config(argv).replace(nproc=nproc))
+    except SpawnFailed as e:
+        return e.code
+    return 0
+
+
 @pytest.fixture(scope="module")
 def runs(env):
     """The same 5 steps under DDP and under FSDP (checkpoints at 2, 4, 5; the final model), on 2 gloo ranks."""
     ddp, fsdp = env.root / "fsdp_ref_ddp", env.root / "fsdp_run"
-    assert T.launch(_argv(env, ddp), 2) == 0
-    assert T.launch(_argv(env, fsdp, "--fsdp", "--save-every", "2", "--keep-checkpoints", "3"), 2) == 0
+    assert train_launch.train(_config(_argv(env, ddp)).replace(nproc=2)).steps == STEPS
+    assert train_launch.train(_config(_argv(env, fsdp, "--fsdp", "--save-every", "2", "--keep-checkpoints", "3"))
+                              .replace(nproc=2)).steps == STEPS
     return SimpleNamespace(ddp=ddp, fsdp=fsdp)
 
 
@@ -75,10 +88,10 @@ def test_fsdp_losses_equal_ddp_losses(runs):
 
 
 def test_sharded_checkpoints_and_exact_resume(env, runs, tmp_path):
-    ckpt = runs.fsdp / T.CKPT_DIR
+    ckpt = runs.fsdp / CKPT_DIR
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [T.LATEST, "step_0000002", "step_0000004", "step_0000005"]  # no partial directory left
-    assert (ckpt / T.LATEST).read_text().strip() == "step_0000005"
+    assert names == [LATEST, "step_0000002", "step_0000004", "step_0000005"]  # no partial directory left
+    assert (ckpt / LATEST).read_text().strip() == "step_0000005"
     for step in ("step_0000002", "step_0000005"):
         files = sorted(p.name for p in (ckpt / step).iterdir())
         assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]  # one shard file per rank
@@ -90,11 +103,11 @@ def test_sharded_checkpoints_and_exact_resume(env, runs, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(runs.fsdp, out)
     for name in ("step_0000004", "step_0000005", "model"):
-        shutil.rmtree(out / T.CKPT_DIR / name if name.startswith("step") else out / name)
-    (out / T.SUMMARY).unlink()
-    (out / T.CKPT_DIR / T.LATEST).write_text("step_0000002\n")
-    (out / T.CKPT_DIR / ".step_0000004.partial").mkdir()  # what a run killed while checkpointing leaves
-    assert T.launch(_argv(env, out, "--fsdp", "--save-every", "2", "--keep-checkpoints", "3", "--resume",
+        shutil.rmtree(out / CKPT_DIR / name if name.startswith("step") else out / name)
+    (out / SUMMARY).unlink()
+    (out / CKPT_DIR / LATEST).write_text("step_0000002\n")
+    (out / CKPT_DIR / ".step_0000004.partial").mkdir()  # what a run killed while checkpointing leaves
+    assert _launch(_argv(env, out, "--fsdp", "--save-every", "2", "--keep-checkpoints", "3", "--resume",
                           "--no-save-model"), 2) == 0
     ref, res = _records(runs.fsdp, "train"), _records(out, "train")
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
@@ -102,8 +115,8 @@ def test_sharded_checkpoints_and_exact_resume(env, runs, tmp_path):
         for key in ("loss", "loss_unweighted", "lr", "grad_norm", "tokens"):
             assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])
     assert abs(_records(runs.fsdp, "eval")[-1]["eval_loss"] - _records(out, "eval")[-1]["eval_loss"]) <= 1e-6
-    assert not (out / T.CKPT_DIR / ".step_0000004.partial").exists()
-    assert json.loads((out / T.SUMMARY).read_text())["resumed_from"].endswith("step_0000002")
+    assert not (out / CKPT_DIR / ".step_0000004.partial").exists()
+    assert json.loads((out / SUMMARY).read_text())["resumed_from"].endswith("step_0000002")
 
 
 def test_final_model_is_a_loadable_hugging_face_directory(env, runs):
@@ -121,7 +134,7 @@ def test_final_model_is_a_loadable_hugging_face_directory(env, runs):
     assert max((state[k] - ddp_state[k]).abs().max().item() for k in state) <= 1e-4  # the trained weights
     heldout = load_data(env.heldout, tokenizer, max_length=MAX_LENGTH, progress=False)
     loss, _ = evaluate(model, heldout, DistInfo(0, 1, 0, None), batch_size=8, pad_id=tokenizer.pad_token_id)
-    summary = json.loads((runs.fsdp / T.SUMMARY).read_text())
+    summary = json.loads((runs.fsdp / SUMMARY).read_text())
     assert abs(loss - summary["final_eval_loss"]) <= 1e-5
 
 
@@ -133,11 +146,11 @@ def test_lora_adafactor_gradient_checkpointing_bf16(env, tmp_path):
                  "adafactor", "--lr", "1e-2", "--gradient-checkpointing", "--bf16", "on", "--save-every", "2",
                  "--eval-max-examples", "8")
     argv[argv.index("--max-steps") + 1] = "3"
-    assert T.launch(argv, 2) == 0
+    assert _launch(argv, 2) == 0
     train = _records(out, "train")
     assert [r["step"] for r in train] == [1, 2, 3] and np.isfinite([r["loss"] for r in train]).all()
     assert (out / "model" / "adapter_config.json").is_file()  # the adapter, as without --fsdp
-    keys = dcp.FileSystemReader(str(out / T.CKPT_DIR / "step_0000003")).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(str(out / CKPT_DIR / "step_0000003")).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all("lora_" in k for k in model_keys)  # only the trainable parameters are saved
     assert any(k.startswith("optimizer.state.") and k.endswith("row_var") for k in keys)  # Adafactor's factors
@@ -273,11 +286,11 @@ def test_blocks_not_found_is_refused_naming_the_attribute(env, tmp_path, capfd):
 
 def test_resume_across_ddp_and_fsdp_and_world_size_refused(env, tmp_path, capfd):
     ddp_out, fsdp_out = tmp_path / "ddp", tmp_path / "fsdp"
-    (ddp_out / T.CKPT_DIR).mkdir(parents=True)
-    (ddp_out / T.CKPT_DIR / "step_0000002.pt").write_bytes(b"x")
-    (ddp_out / T.CKPT_DIR / T.LATEST).write_text("step_0000002.pt\n")
-    (fsdp_out / T.CKPT_DIR / "step_0000002").mkdir(parents=True)
-    (fsdp_out / T.CKPT_DIR / "step_0000002" / STATE_FILE).write_bytes(b"x")
+    (ddp_out / CKPT_DIR).mkdir(parents=True)
+    (ddp_out / CKPT_DIR / "step_0000002.pt").write_bytes(b"x")
+    (ddp_out / CKPT_DIR / LATEST).write_text("step_0000002.pt\n")
+    (fsdp_out / CKPT_DIR / "step_0000002").mkdir(parents=True)
+    (fsdp_out / CKPT_DIR / "step_0000002" / STATE_FILE).write_bytes(b"x")
     t0 = time.perf_counter()
     assert _train(_argv(env, ddp_out, "--fsdp", "--nproc", "2", "--resume")) == 2
     err = capfd.readouterr().err
@@ -285,7 +298,7 @@ def test_resume_across_ddp_and_fsdp_and_world_size_refused(env, tmp_path, capfd)
     assert _train(_argv(env, fsdp_out, "--nproc", "2", "--resume")) == 2
     err = capfd.readouterr().err
     assert "step_0000002 is a sharded FSDP checkpoint" in err and "no --fsdp" in err
-    assert _train(_argv(env, fsdp_out, "--nproc", "2", "--resume", str(ddp_out / T.CKPT_DIR / "step_0000002.pt"),
+    assert _train(_argv(env, fsdp_out, "--nproc", "2", "--resume", str(ddp_out / CKPT_DIR / "step_0000002.pt"),
                         "--fsdp")) == 2
     assert "is a DDP checkpoint" in capfd.readouterr().err
     assert _train(_argv(env, tmp_path / "c", "--fsdp", "--nproc", "3")) == 2  # plan world size 2
@@ -296,27 +309,45 @@ def test_resume_across_ddp_and_fsdp_and_world_size_refused(env, tmp_path, capfd)
     assert time.perf_counter() - t0 < 20  # no process was started, no model loaded
 
 
-def test_checkpoint_discovery_and_compare_pass_through(tmp_path):
-    ckpt = tmp_path / T.CKPT_DIR
+def test_checkpoint_discovery_and_compare_pass_through(env, tmp_path, monkeypatch):
+    ckpt = tmp_path / CKPT_DIR
     for step in (2, 4):
         (ckpt / f"step_{step:07d}").mkdir(parents=True)
         (ckpt / f"step_{step:07d}" / STATE_FILE).write_bytes(b"x")
     (ckpt / "step_0000006").mkdir()  # no state file: incomplete, never resumed
     (ckpt / ".step_0000008.partial").mkdir()
     assert find_checkpoint(tmp_path) == ckpt / "step_0000004"
-    (ckpt / T.LATEST).write_text("step_0000002\n")
+    (ckpt / LATEST).write_text("step_0000002\n")
     assert find_checkpoint(tmp_path) == ckpt / "step_0000002"
     assert find_checkpoint(tmp_path, str(ckpt / "step_0000004")) == ckpt / "step_0000004"
     with pytest.raises(FileNotFoundError, match="sharded checkpoint"):
         find_checkpoint(tmp_path, str(ckpt / "step_0000006"))
     assert remove_partial_checkpoints(ckpt) == [ckpt / ".step_0000008.partial"]
 
-    from clusterlm import cli
+    # --fsdp reaches the config, its file and the ranks that read it
+    parser = cli.train_parser()
+    config = TrainConfig(**parse_config(parser, ["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--fsdp"]))
+    assert config.fsdp
+    config.save(tmp_path / TRAIN_CONFIG)
+    assert TrainConfig.load(tmp_path / TRAIN_CONFIG) == config
+    assert TrainConfig(**parse_config(parser, ["--config", str(tmp_path / TRAIN_CONFIG)])) == config
+    # clusterlm compare --fsdp: every unit's TrainConfig has fsdp=True
+    cmp = cli.compare_config(parse_config(cli.compare_parser(), [
+        "--model", "tiny-llama", "--data", str(env.train), "--eval-data", str(env.heldout), "--methods", "random",
+        "--seeds", "0,", "--world-size", "2", "--max-steps", "1", "--micro-batch-size", "1", "--lr", "1e-4",
+        "--out", str(tmp_path / "cmp"), "--fsdp"]))
+    assert cmp.train.fsdp
+    units = []
 
-    parser = cli.build_train_parser()
-    args = parser.parse_args(["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--fsdp"])
-    assert args.fsdp and parser.parse_args(cli.train_argv(args)) == args
-    cmp_args = SimpleNamespace(model="m", epochs=1, micro_batch_size=1, lr=1e-4, warmup_ratio=0.0, threads=1,
-                               device="cpu", bf16="off", chat_template="auto", max_length=None, lora_r=0,
-                               max_steps=None, fsdp=True)
-    assert "--fsdp" in compare._train_argv(cmp_args, Path("p"), Path("t"), "d", "e", 4, 0)
+    class Stop(Exception):
+        pass
+
+    def fake_train(unit, plan=None):
+        units.append(unit)
+        raise Stop
+
+    monkeypatch.setattr(compare_run, "train", fake_train)
+    with pytest.raises(Stop):
+        compare_run.compare(cmp)
+    (unit,) = units
+    assert unit.fsdp and unit.nproc == 2 and unit.lr == 1e-4 and unit.micro_batch_size == 1

@@ -23,8 +23,9 @@ gguf = pytest.importorskip("gguf", reason="GGUF support needs the 'gguf' package
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import clusterlm.models as models_mod  # noqa: E402
+import clusterlm.models.gguf as gguf_mod  # noqa: E402
 from clusterlm.models import find_gguf, load_model  # noqa: E402
+from clusterlm.models.ids import INFO_FILE  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
@@ -150,7 +151,7 @@ def logits_of(model: Any, ids: list[int]) -> torch.Tensor:
 
 def converted_dir(home: Path, path: Path) -> Path:
     """Where :func:`clusterlm.models.convert_gguf` puts the conversion of ``path``: stem + file hash."""
-    return home / "gguf" / f"{path.stem}-{models_mod._file_sha256(path)[:12]}"
+    return home / "gguf" / f"{path.stem}-{gguf_mod._file_sha256(path)[:12]}"
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_gguf_loads_as_the_source_model(loaded: tuple[Any, Any, str], source: Ll
     out = converted_dir(home, tiny_gguf)
     assert re.fullmatch(r"tiny-llama-f32-[0-9a-f]{12}", out.name) and (out / "model.safetensors").is_file()
     assert re.fullmatch(r"tiny-llama-f32@[0-9a-f]{12}", model_id)
-    assert json.loads((out / models_mod._INFO).read_text())["model_id"] == model_id
+    assert json.loads((out / INFO_FILE).read_text())["model_id"] == model_id
 
 
 def test_lm_head_is_tied_to_the_input_embedding(loaded: tuple[Any, Any, str]) -> None:
@@ -227,15 +228,15 @@ def test_second_load_reuses_the_converted_directory(loaded: tuple[Any, Any, str]
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     out = converted_dir(home, tiny_gguf)
     before = sorted((home / "gguf").iterdir())
-    stamp = (out / models_mod._INFO).stat().st_mtime_ns
+    stamp = (out / INFO_FILE).stat().st_mtime_ns
 
     def no_reconversion(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the GGUF file was converted again")
 
-    monkeypatch.setattr(models_mod, "_write_gguf_as_hf", no_reconversion)
+    monkeypatch.setattr(gguf_mod, "_write_gguf_as_hf", no_reconversion)
     model, _, model_id = load_model(str(tiny_gguf))
     assert model_id == loaded[2]
-    assert sorted((home / "gguf").iterdir()) == before and (out / models_mod._INFO).stat().st_mtime_ns == stamp
+    assert sorted((home / "gguf").iterdir()) == before and (out / INFO_FILE).stat().st_mtime_ns == stamp
     for ids in SEQUENCES[:1]:
         torch.testing.assert_close(logits_of(model, ids), logits_of(loaded[0], ids), atol=0, rtol=0)
 
@@ -247,7 +248,7 @@ def test_a_changed_gguf_file_converts_into_another_directory(loaded: tuple[Any, 
     first, second = converted_dir(home, tiny_gguf), converted_dir(home, path)
     assert first != second and not second.exists()
     model, _, model_id = load_model(str(path))
-    assert (second / models_mod._INFO).is_file() and (first / models_mod._INFO).is_file()
+    assert (second / INFO_FILE).is_file() and (first / INFO_FILE).is_file()
     assert model_id != loaded[2] and model_id.startswith("tiny-llama-f32@")
     torch.testing.assert_close(logits_of(model, SEQUENCES[1]), logits_of(changed, SEQUENCES[1]), atol=1e-5, rtol=1e-5)
 

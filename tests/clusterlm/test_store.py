@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import clusterlm.store as store_mod
+import clusterlm.store.feature_store as feature_store_mod
 from clusterlm.features import GradientFeaturizer
 from clusterlm.store import FeatureStore
 
@@ -121,7 +122,7 @@ def test_a_failed_shard_write_leaves_nothing_half_written(tmp_path, monkeypatch)
         f.write(b"\x93NUMPY partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(store_mod.np, "save", broken_save)
+    monkeypatch.setattr(feature_store_mod.np, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         store.write_shard(1, np.ones((2, 2)), data_sha256="b")
     monkeypatch.undo()

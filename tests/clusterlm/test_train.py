@@ -21,10 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from clusterlm import cli
-from clusterlm import train as T
-from clusterlm.engine import forward_backward, make_micro_batches
-from clusterlm.launch import torchrun_command
+from clusterlm import cli, train_launch
+from clusterlm.configio import checksum
+from clusterlm.engine import CKPT_DIR, forward_backward, make_micro_batches
+from clusterlm.launch import PACKAGE_ENTRY, torchrun_command
+from clusterlm.metrics import CURVE, METRICS, SUMMARY
+from clusterlm.options import parse_config
+from clusterlm.train_config import LATEST, TRAIN_CONFIG, TrainConfig
 
 MAX_LENGTH = 128
 N_TRAIN, N_HELDOUT = 160, 32
@@ -72,6 +75,11 @@ def _train(argv: list[str]) -> int:
     return cli.main(["train", *argv])
 
 
+def _config(argv: list[str]) -> TrainConfig:
+    """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by :func:`clusterlm.cli.train_parser`)."""
+    return TrainConfig(**parse_config(cli.train_parser(), argv))
+
+
 def _argv(env, out: Path, plan: str | Path, *extra: str) -> list[str]:
     return ["--plan", str(plan), "--model", "tiny-llama", "--data", str(env.train), "--out", str(out),
             "--max-length", str(MAX_LENGTH), "--no-progress", "--no-save-model", *extra]
@@ -87,22 +95,23 @@ def _two_rank_argv(env, out: Path) -> list[str]:
 
 def _records(out: Path, kind: str, *, partial_ok: bool = False) -> list[dict]:
     records = []
-    for line in (out / T.METRICS).read_text(encoding="utf-8").splitlines():
+    for line in (out / METRICS).read_text(encoding="utf-8").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            assert partial_ok, f"malformed line in {out / T.METRICS}: {line!r}"
+            assert partial_ok, f"malformed line in {out / METRICS}: {line!r}"
     return [r for r in records if r["kind"] == kind]
 
 
 @pytest.fixture(scope="module")
 def reference_run(env):
-    """One uninterrupted 2-rank gloo run through :func:`clusterlm.train.launch` (torch.distributed.run)."""
+    """One uninterrupted 2-rank gloo run through :func:`clusterlm.train` (torch.distributed.run; a failed rank raises
+    SpawnFailed)."""
     out = env.root / "reference"
     t0 = time.perf_counter()
-    rc = T.launch(_two_rank_argv(env, out), 2)
-    assert rc == 0, f"2-rank run failed with status {rc}"
-    return SimpleNamespace(out=out, seconds=time.perf_counter() - t0)
+    result = train_launch.train(_config(_two_rank_argv(env, out)).replace(nproc=2))
+    assert result.steps == STEPS and result.out == out
+    return SimpleNamespace(out=out, seconds=time.perf_counter() - t0, result=result)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,16 +147,16 @@ def test_two_rank_gloo_run_finishes_learns_and_writes_metrics(env, reference_run
         assert [r["step_tokens"][rank] for r in train] == expected
     assert sampler.order(0).tolist() != sampler.order(1).tolist()  # reshuffled per epoch
 
-    summary = json.loads((out / T.SUMMARY).read_text())
+    summary = json.loads((out / SUMMARY).read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 2
     assert summary["final_eval_loss"] == pytest.approx(evals[-1]["eval_loss"])
     assert summary["tokens"] == train[-1]["tokens"] == sum(sum(r["step_tokens"]) for r in train)
-    assert (out / T.CURVE).stat().st_size > 10_000
+    assert (out / CURVE).stat().st_size > 10_000
     args = json.loads((out / "args.json").read_text())
     assert args["world_size"] == 2 and args["total_steps"] == STEPS
-    ckpts = sorted(p.name for p in (out / T.CKPT_DIR).glob("step_*.pt"))
+    ckpts = sorted(p.name for p in (out / CKPT_DIR).glob("step_*.pt"))
     assert ckpts == ["step_0000009.pt", "step_0000012.pt"]  # keep the last 2
-    assert (out / T.CKPT_DIR / T.LATEST).read_text().strip() == "step_0000012.pt"
+    assert (out / CKPT_DIR / LATEST).read_text().strip() == "step_0000012.pt"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -171,11 +180,11 @@ def _descendants(pid: int) -> list[int]:
 def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_path):
     out = tmp_path / "killed"
     log = tmp_path / "killed.log"
-    cmd = torchrun_command(_two_rank_argv(env, out), 2)
+    cmd = torchrun_command(["train", *_two_rank_argv(env, out)], 2)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = out / T.CKPT_DIR / f"step_{SAVE_EVERY:07d}.pt"
+    first = out / CKPT_DIR / f"step_{SAVE_EVERY:07d}.pt"
     deadline = time.monotonic() + 240
     while not first.exists():
         assert proc.poll() is None, f"run ended before its first checkpoint:\n{log.read_text()[-3000:]}"
@@ -189,9 +198,9 @@ def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_pa
             pass
     proc.wait(timeout=30)
     done = _records(out, "train", partial_ok=True)  # SIGKILL may cut the last line
-    assert not (out / T.SUMMARY).exists() and len(done) < STEPS, "the run finished before it could be killed"
+    assert not (out / SUMMARY).exists() and len(done) < STEPS, "the run finished before it could be killed"
 
-    assert T.launch(_two_rank_argv(env, out) + ["--resume"], 2) == 0
+    train_launch.train(_config(_two_rank_argv(env, out) + ["--resume"]).replace(nproc=2))
     ref, res = _records(reference_run.out, "train"), _records(out, "train")
     assert [r["step"] for r in res] == list(range(1, STEPS + 1))
     for a, b in zip(ref, res, strict=True):
@@ -200,7 +209,7 @@ def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_pa
     ref_eval, res_eval = _records(reference_run.out, "eval"), _records(out, "eval")
     assert [r["step"] for r in res_eval] == [0, 6, 12]
     assert np.allclose([r["eval_loss"] for r in ref_eval], [r["eval_loss"] for r in res_eval], rtol=0, atol=1e-6)
-    summary = json.loads((out / T.SUMMARY).read_text())
+    summary = json.loads((out / SUMMARY).read_text())
     assert summary["resumed_from"] and summary["steps"] == STEPS
 
 
@@ -370,7 +379,7 @@ def test_baseline_spec_lora_adafactor_and_resume_rules(env, tmp_path, capfd):
     plan = Plan.load(out / "plan")
     assert plan.config["method"] == "random" and plan.n_selected == N_TRAIN // 2
     assert len(_records(out, "train")) == 3
-    ckpt = torch.load(out / T.CKPT_DIR / "step_0000003.pt", weights_only=False)
+    ckpt = torch.load(out / CKPT_DIR / "step_0000003.pt", weights_only=False)
     assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])  # only the adapter is trained and saved
     assert (out / "model" / "adapter_config.json").is_file()
 
@@ -391,18 +400,30 @@ def test_baseline_spec_lora_adafactor_and_resume_rules(env, tmp_path, capfd):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_argv_round_trip_and_torchrun_commands():
-    parser = cli.build_train_parser()
+def test_config_round_trip_and_torchrun_commands(tmp_path):
+    parser = cli.train_parser()
     argv = ["--plan", "p", "--model", "m", "--data", "d.jsonl", "--out", "o", "--nproc", "2", "--lr", "0.0003",
             "--resume", "--no-progress", "--lora-r", "8", "--bf16", "off", "--max-steps", "7"]
-    args = parser.parse_args(argv)
-    assert parser.parse_args(cli.train_argv(args)) == args
-    ranks = cli.train_argv(args, for_ranks=True)
-    assert "--nproc" not in ranks and parser.parse_args(ranks).lr == 3e-4
+    config = TrainConfig(**parse_config(parser, argv))
+    # the CLI spellings (--no-progress, --resume alone) parse into the TrainConfig fields
+    assert config == TrainConfig(plan="p", model="m", data="d.jsonl", out="o", nproc=2, lr=3e-4, resume=LATEST,
+                                 progress=False, lora_r=8, bf16="off", max_steps=7)
+    # the config file round-trips: TrainConfig.load and `clusterlm train --config FILE` read back the same config
+    path = tmp_path / TRAIN_CONFIG
+    sha = config.save(path)
+    assert sha == checksum(path.read_text(encoding="utf-8"))
+    assert TrainConfig.load(path) == config
+    assert TrainConfig(**parse_config(parser, ["--config", str(path)])) == config
+    assert TrainConfig(**parse_config(parser, ["--config", str(path), "--lr", "0.001"])).lr == 1e-3  # options win
+    # the ranks get the file, not a rebuilt command line: no launcher option reaches them
+    cmd = torchrun_command(["train", "--config", str(path)], 2)
+    ranks = cmd[cmd.index("-m", 2) + 1:]
+    assert ranks == [PACKAGE_ENTRY, "train", "--config", str(path)] and "--nproc" not in ranks
+    assert TrainConfig(**parse_config(parser, ranks[2:])).lr == 3e-4
 
-    cmd = torchrun_command(["--plan", "p"], 4)
+    cmd = torchrun_command(["train", "--plan", "p"], 4)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "-m",
-                       "clusterlm.train", "--plan", "p"]
+                       "clusterlm", "train", "--plan", "p"]
     cmd = torchrun_command([], 8, nnodes=2, rdzv_endpoint="node0:29500", rdzv_id="run1")
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500"
     assert "--standalone" not in cmd and cmd[cmd.index("--rdzv-backend") + 1] == "c10d"

@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clusterlm import cli
-from clusterlm import train as T
+from clusterlm import cli, train_loop, train_model
 from clusterlm.features import GradientFeaturizer
 from clusterlm.launch import DistInfo
+from clusterlm.options import parse_config
+from clusterlm.train_config import TrainConfig
 
 AVX2_ONLY = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -40,34 +41,34 @@ def _cpuinfo(tmp_path: Path, text: str) -> Path:
 
 def test_cpu_native_bf16_read_from_cpuinfo_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
-    assert T.cpu_has_native_bf16(_cpuinfo(tmp_path, AVX2_ONLY)) is False
-    assert T.cpu_has_native_bf16(_cpuinfo(tmp_path, SAPPHIRE_RAPIDS)) is True
-    assert T.cpu_has_native_bf16(_cpuinfo(tmp_path, ARM_BF16)) is True
-    assert T.cpu_has_native_bf16(_cpuinfo(tmp_path, "processor\t: 0\n")) is None  # no flags line: unknown
-    assert T.cpu_has_native_bf16(tmp_path / "missing") is None
+    assert train_model.cpu_has_native_bf16(_cpuinfo(tmp_path, AVX2_ONLY)) is False
+    assert train_model.cpu_has_native_bf16(_cpuinfo(tmp_path, SAPPHIRE_RAPIDS)) is True
+    assert train_model.cpu_has_native_bf16(_cpuinfo(tmp_path, ARM_BF16)) is True
+    assert train_model.cpu_has_native_bf16(_cpuinfo(tmp_path, "processor\t: 0\n")) is None  # no flags line: unknown
+    assert train_model.cpu_has_native_bf16(tmp_path / "missing") is None
     monkeypatch.setattr(sys, "platform", "darwin")  # not Linux: no check
-    assert T.cpu_has_native_bf16(_cpuinfo(tmp_path, AVX2_ONLY)) is None
+    assert train_model.cpu_has_native_bf16(_cpuinfo(tmp_path, AVX2_ONLY)) is None
 
 
 def test_bf16_cpu_warning_only_for_bf16_on_a_cpu_without_it(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     avx2 = _cpuinfo(tmp_path, AVX2_ONLY)
-    msg = T._bf16_cpu_warning(True, cpu, avx2)
+    msg = train_model.bf16_cpu_warning(True, cpu, avx2)
     assert msg is not None and "order of magnitude slower" in msg and "--bf16 off" in msg
-    assert T._bf16_cpu_warning(False, cpu, avx2) is None
-    assert T._bf16_cpu_warning(True, cuda, avx2) is None
-    assert T._bf16_cpu_warning(True, cpu, _cpuinfo(tmp_path, SAPPHIRE_RAPIDS)) is None
+    assert train_model.bf16_cpu_warning(False, cpu, avx2) is None
+    assert train_model.bf16_cpu_warning(True, cuda, avx2) is None
+    assert train_model.bf16_cpu_warning(True, cpu, _cpuinfo(tmp_path, SAPPHIRE_RAPIDS)) is None
 
 
 def test_bf16_auto_is_on_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert T._use_bf16("auto", torch.device("cpu")) is False
-    assert T._use_bf16("auto", torch.device("cuda", 0)) is True
-    assert T._use_bf16("on", torch.device("cpu")) is True
-    assert T._use_bf16("off", torch.device("cuda", 0)) is False
+    assert train_model.use_bf16("auto", torch.device("cpu")) is False
+    assert train_model.use_bf16("auto", torch.device("cuda", 0)) is True
+    assert train_model.use_bf16("on", torch.device("cpu")) is True
+    assert train_model.use_bf16("off", torch.device("cuda", 0)) is False
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert T._use_bf16("auto", torch.device("cuda", 0)) is False
+    assert train_model.use_bf16("auto", torch.device("cuda", 0)) is False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -75,28 +76,28 @@ def test_bf16_auto_is_on_only_on_cuda(monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _args(*extra: str):
-    return cli.build_train_parser().parse_args(["--plan", "full", "--model", "tiny-llama", "--data", "d.jsonl",
-                                                "--out", "o", *extra])
+def _args(*extra: str) -> TrainConfig:
+    return TrainConfig(**parse_config(cli.train_parser(), ["--plan", "full", "--model", "tiny-llama", "--data",
+                                                           "d.jsonl", "--out", "o", *extra]))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_pure_low_precision_weights_refused_without_lora(dtype):
     with pytest.raises(ValueError, match=f"--dtype {dtype}") as info:
-        T.validate_args(_args("--dtype", dtype))
+        _args("--dtype", dtype).check()
     msg = str(info.value)
     assert "\n" not in msg and "--bf16 on" in msg and "float32" in msg and "LoRA" in msg
-    T.validate_args(_args("--model-dtype", dtype, "--lora-r", "4"))  # frozen low-precision base: allowed
-    T.validate_args(_args("--model-dtype", "float32"))
-    T.validate_args(_args())
+    _args("--model-dtype", dtype, "--lora-r", "4").check()  # frozen low-precision base: allowed
+    _args("--model-dtype", "float32").check()
+    _args().check()
 
 
 def test_pure_bf16_refused_by_the_cli_before_anything_is_loaded(tmp_path, monkeypatch, capfd):
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were validated")
 
-    monkeypatch.setattr(T, "build_model", no_model)
-    monkeypatch.setattr(T, "setup_distributed", no_model)
+    monkeypatch.setattr(train_loop, "build_model", no_model)
+    monkeypatch.setattr(train_loop, "setup_distributed", no_model)
     argv = ["--plan", str(tmp_path / "no-plan"), "--model", "tiny-llama", "--data", str(tmp_path / "none.jsonl"),
             "--out", str(tmp_path / "out"), "--model-dtype", "bfloat16", "--nproc", "2"]
     assert cli.main(["train", *argv]) == 2
@@ -106,10 +107,10 @@ def test_pure_bf16_refused_by_the_cli_before_anything_is_loaded(tmp_path, monkey
 
 
 def test_lora_adapters_on_a_bf16_base_are_float32():
-    """What validate_args relies on: peft keeps the trainable adapters float32 over a bf16 base."""
+    """What TrainConfig.check relies on: peft keeps the trainable adapters float32 over a bf16 base."""
     args = _args("--model-dtype", "bfloat16", "--lora-r", "2", "--lora-targets", "q_proj,v_proj")
     di = DistInfo(0, 1, 0, None, torch.device("cpu"))
-    model, _, _ = T.build_model(args, di)
+    model, _, _ = train_model.build_model(args, di)
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     assert trainable == {torch.float32} and frozen == {torch.bfloat16}
@@ -186,12 +187,12 @@ def test_paper_plan_summary_states_the_shortfall():
 
 def test_weights_dtype_auto_is_float32_for_full_fine_tuning_and_bf16_lora_base_on_cuda(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert T.weights_dtype("auto", False, cpu) is torch.float32
-    assert T.weights_dtype("auto", True, cpu) is torch.float32
+    assert train_model.weights_dtype("auto", False, cpu) is torch.float32
+    assert train_model.weights_dtype("auto", True, cpu) is torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert T.weights_dtype("auto", False, cuda) is torch.float32  # the weights themselves train: never bf16
-    assert T.weights_dtype("auto", True, cuda) is torch.bfloat16  # frozen base
-    assert T.weights_dtype("float16", True, cpu) is torch.float16
+    assert train_model.weights_dtype("auto", False, cuda) is torch.float32  # the weights themselves train: never bf16
+    assert train_model.weights_dtype("auto", True, cuda) is torch.bfloat16  # frozen base
+    assert train_model.weights_dtype("float16", True, cpu) is torch.float16
     assert _args().dtype == "auto" and _args("--model-dtype", "float32").dtype == "float32"  # older name
 
 
@@ -207,11 +208,11 @@ def test_build_model_loads_straight_onto_the_rank_device(monkeypatch, fsdp):
         seen.update(dtype=dtype, device=device)
         raise Stop
 
-    monkeypatch.setattr(T, "load_model", fake_load)
+    monkeypatch.setattr(train_model, "load_model", fake_load)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     extra = ("--lora-r", "4") + (("--fsdp",) if fsdp else ())
     di = DistInfo(1, 2, 1, None, torch.device("cuda", 1))
     with pytest.raises(Stop):
-        T.build_model(_args(*extra), di)
+        train_model.build_model(_args(*extra), di)
     assert seen["dtype"] is torch.bfloat16
     assert seen["device"] == (None if fsdp else torch.device("cuda", 1))

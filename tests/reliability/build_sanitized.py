@@ -73,7 +73,7 @@ def _pybind_include() -> str:
 
 def _key(cxx: str) -> str:
     h = hashlib.sha256()
-    for src in sources() + sorted((REPO / "csrc" / "cpu").glob("*.h")):
+    for src in sources() + sorted((REPO / "csrc" / "cpu").glob("*.h")) + sorted((REPO / "csrc" / "common").glob("*.h")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join([cxx, *SAN_FLAGS, *COMPILE_FLAGS, str(OPT_LEVEL), sys.version, _pybind_include()]).encode())

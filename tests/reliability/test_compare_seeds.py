@@ -11,17 +11,19 @@ import pytest
 from cli_helpers import nonblank_lines, run_cli
 
 from clusterlm import cli
+from clusterlm.options import parse_config
 
 
 def _seeds(value: str) -> list[int]:
-    return cli.build_parser().parse_args(["compare", "--seeds", value]).seeds
+    seeds = cli.compare_config(parse_config(cli.compare_parser(), ["--seeds", value])).seeds
+    return list(seeds)
 
 
 def _refused(value: str, capsys: pytest.CaptureFixture) -> str:
     """The one stderr line of ``clusterlm compare --seeds=VALUE`` (parsed only: a regression never runs compare)."""
     with pytest.raises(SystemExit) as info:
-        parsed = cli.build_parser().parse_args(["compare", f"--seeds={value}"])  # = : "-1," is no option
-        pytest.fail(f"--seeds={value} was accepted: {parsed.seeds}")
+        parsed = parse_config(cli.compare_parser(), [f"--seeds={value}"])  # = : "-1," is no option
+        pytest.fail(f"--seeds={value} was accepted: {parsed['seeds']}")
     assert info.value.code == 2
     err = capsys.readouterr().err
     lines = nonblank_lines(err)

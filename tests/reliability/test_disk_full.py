@@ -29,7 +29,9 @@ import torch
 from cli_helpers import nonblank_lines, run_cli
 
 from clusterlm import _io
-from clusterlm import train as trainer
+from clusterlm.engine import CKPT_DIR
+from clusterlm.metrics import METRICS, SUMMARY
+from clusterlm.train_config import LATEST
 
 WHAT = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
         errno.EFBIG: "file size limit", errno.EIO: "I/O error"}
@@ -244,18 +246,18 @@ def test_a_full_disk_during_training_is_one_line_and_resume_continues(warm, tmp_
     assert "free" in lines[0] or code == errno.EIO, err
     assert not _temporaries(out), _temporaries(out)
 
-    if (out / trainer.METRICS).exists():  # no cut-off last line
-        records = [json.loads(line) for line in (out / trainer.METRICS).read_text().splitlines()]
+    if (out / METRICS).exists():  # no cut-off last line
+        records = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
         assert all(r["kind"] in ("train", "eval") for r in records)
-    latest = out / trainer.CKPT_DIR / trainer.LATEST
+    latest = out / CKPT_DIR / LATEST
     if latest.exists():  # what a checkpoint left is loadable, and a resume (with space again) finishes the run
-        ckpt = torch.load(out / trainer.CKPT_DIR / latest.read_text().strip(), weights_only=False)
+        ckpt = torch.load(out / CKPT_DIR / latest.read_text().strip(), weights_only=False)
         assert ckpt["step"] >= 1
         assert run_cli(["train", *argv, "--resume"]) == 0, capfd.readouterr().err
-        steps = [r["step"] for r in map(json.loads, (out / trainer.METRICS).read_text().splitlines())
+        steps = [r["step"] for r in map(json.loads, (out / METRICS).read_text().splitlines())
                  if r["kind"] == "train"]
         assert steps == [1, 2, 3]
-        assert (out / trainer.SUMMARY).is_file() and not _temporaries(out)
+        assert (out / SUMMARY).is_file() and not _temporaries(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,4 +282,4 @@ def test_a_file_size_limit_at_rank_0s_checkpoint_stops_both_ranks_with_one_line(
     assert re.match(r"clusterlm train: error( \(rank 0 of 2\))?: file size limit", lines[0]), lines[0]
     assert str(out / "ckpt" / "step_0000001.pt") in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    assert not _temporaries(out) and not (out / trainer.CKPT_DIR / trainer.LATEST).exists()
+    assert not _temporaries(out) and not (out / CKPT_DIR / LATEST).exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import clusterlm.store as store_mod
+import clusterlm.store.feature_store as feature_store_mod
 from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
 from clusterlm.store import FeatureStore
@@ -467,7 +467,7 @@ def test_a_full_disk_while_writing_a_shard_names_the_shard_and_the_bytes(tmp_pat
         f.write(b"\x93NUMPY")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(store_mod.np, "save", full)
+    monkeypatch.setattr(feature_store_mod.np, "save", full)
     with pytest.raises(OSError, match=r"no space left.*shard_00000\.npy.*bytes") as err:
         store.write_shard(0, fake(0, SHARD), data_sha256="h0")
     monkeypatch.undo()

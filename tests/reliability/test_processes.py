@@ -25,9 +25,10 @@ from types import SimpleNamespace
 import pytest
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import pipeline
-from clusterlm import train as trainer
+from clusterlm import launch, pipeline, train_launch, train_model
 from clusterlm.launch import first_failure, spawn
+from clusterlm.metrics import METRICS
+from clusterlm.train_config import TRAIN_CONFIG
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -106,13 +107,13 @@ def live_run(tiny, tmp_path_factory):
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 240
-        while not ((out / trainer.METRICS).is_file() and (out / trainer.METRICS).read_text().strip()):
+        while not ((out / METRICS).is_file() and (out / METRICS).read_text().strip()):
             assert proc.poll() is None, f"the run ended before its first step:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no step after 240 s:\n{log.read_text()[-3000:]}"
             seen.update(_descendants(proc.pid))
             time.sleep(0.1)
         ranks = {int(_environ(p)["RANK"]): p for p in _descendants(proc.pid)
-                 if "clusterlm.train" in _cmdline(p) and "RANK" in _environ(p)}
+                 if f"clusterlm train --config {out / TRAIN_CONFIG}" in _cmdline(p) and "RANK" in _environ(p)}
         assert sorted(ranks) == [0, 1], {p: _cmdline(p) for p in _descendants(proc.pid)}
         yield SimpleNamespace(proc=proc, out=out, log=log, ranks=ranks, tiny=tiny)
     finally:
@@ -123,7 +124,7 @@ def live_run(tiny, tmp_path_factory):
 @pytest.mark.parametrize("extra", [[], ["--resume"], ["--overwrite"], ["--nproc", "2"]],
                          ids=["second-run", "resume", "overwrite", "second-launcher"])
 def test_a_live_runs_out_is_refused_naming_its_pid(live_run, capfd, extra):
-    metrics = live_run.out / trainer.METRICS
+    metrics = live_run.out / METRICS
     before = len(metrics.read_text().splitlines())
     capfd.readouterr()
     t0 = time.perf_counter()
@@ -162,11 +163,11 @@ def test_killing_the_launcher_takes_every_rank_with_it(live_run, capfd):
 
 FAULTY_RANK = """
 import os, sys
-from clusterlm import cli, train
+from clusterlm import cli, train_loop
 if os.environ.get("RANK") == "1":
     def prepare(*args, **kwargs):
         raise {exc}("{message}")
-    train.prepare = prepare
+    train_loop.prepare = prepare
 sys.exit(cli.main(["train", *sys.argv[1:]]))
 """
 
@@ -219,7 +220,7 @@ def test_non_positive_process_counts_are_refused_at_once(tiny, tmp_path, capfd, 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(trainer, "load_model", no_model)
+    monkeypatch.setattr(train_model, "load_model", no_model)
     monkeypatch.setattr(pipeline, "load_model", no_model)  # load_model moved to the pipeline (issue 20)
     out = tmp_path / "out"
     if command == "train":
@@ -306,8 +307,9 @@ def test_bad_trainer_arguments_are_refused_before_any_model_loads(tiny, tmp_path
     def no_processes(*args, **kwargs):
         raise AssertionError("processes were started")
 
-    monkeypatch.setattr(trainer, "load_model", no_model)
-    monkeypatch.setattr(trainer, "spawn", no_processes)
+    monkeypatch.setattr(train_model, "load_model", no_model)
+    monkeypatch.setattr(train_launch, "spawn_with_config", no_processes)
+    monkeypatch.setattr(launch, "spawn", no_processes)
     if nproc == 2:
         argv += ["--nproc", "2"]
     capfd.readouterr()

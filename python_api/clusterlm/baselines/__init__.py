@@ -1,4 +1,8 @@
-"""Baseline selections, as plans any trainer consumes (DESIGN.md §6).
+"""Baseline selections, as plans any trainer consumes (docs/design.md section 6).
+
+Every baseline takes an example budget (``ratio`` / ``budget``) or a token budget (``token_ratio`` /
+``token_budget``, prompt + answer tokens, met within one example per rank as the cluster method's;
+:mod:`clusterlm.baselines._plans`).
 
 Each baseline lives in its own module and returns a :class:`clusterlm.plan.Plan`, so a comparison runs
 every method through the same trainer and differs only in the data:
@@ -18,7 +22,8 @@ S2L and LESS take their settings as one frozen dataclass (:class:`S2LConfig`, :c
 keyword overrides of its fields (``less_plan(model, data, 2, ratio=0.3, validation=v, lr=1e-3)``).
 
 :func:`baseline_plan` turns specs into plans: the trainer's ``--plan`` specs (``full``, ``random:0.31``,
-``random:5000``; :func:`is_baseline_spec`), and ``s2l:<ratio|count>``, ``ifd:...``, ``less:...``, which need
+``random:5000``, and token budgets ``random:tokens=0.31`` / ``random:tokens=2000000``; :func:`is_baseline_spec`),
+and ``s2l:<ratio|count>``, ``ifd:...``, ``less:...`` (also ``...:tokens=<ratio|count>``), which need
 the model (and LESS a validation set) and are therefore built before training (``clusterlm compare`` does,
 and saves them as plan directories), not inside the trainer's ranks.
 """
@@ -40,7 +45,7 @@ __all__ = [
 ]
 
 # The --plan values that name a baseline instead of a plan directory.
-BASELINE_SPECS = ("full", "random:<ratio>", "random:<count>")
+BASELINE_SPECS = ("full", "random:<ratio>", "random:<count>", "random:tokens=<ratio>", "random:tokens=<count>")
 # Baselines that need the model: spec "<name>:<ratio>" or "<name>:<count>", built with baseline_plan(..., model=).
 MODEL_BASELINES = {"s2l": s2l_plan, "ifd": ifd_plan, "less": less_plan}
 
@@ -51,15 +56,24 @@ def is_baseline_spec(spec: str) -> bool:
 
 
 def _ratio_or_count(spec: str, value: str) -> dict[str, Any]:
+    """The budget keyword of a spec's value: ``0.31`` -> ratio, ``5000`` -> budget, ``tokens=0.31`` ->
+    token_ratio, ``tokens=2000000`` -> token_budget.
+
+    Raises:
+        ValueError: a value of none of these forms (the message shows them).
+    """
+    tokens = value.startswith("tokens=")
+    number = value[len("tokens="):] if tokens else value
     try:
-        if any(c in value for c in ".eE"):
-            return {"ratio": float(value)}
-        return {"budget": int(value)}
+        if any(c in number for c in ".eE"):
+            return {"token_ratio" if tokens else "ratio": float(number)}
+        return {"token_budget" if tokens else "budget": int(number)}
     except ValueError:
         name = spec.split(":", 1)[0]
         raise ValueError(
-            f"baseline_plan: spec {spec!r} must be {name}:<ratio> (e.g. {name}:0.31) or {name}:<count> "
-            f"(e.g. {name}:5000), got the value {value!r}."
+            f"baseline_plan: spec {spec!r} must be {name}:<ratio> (e.g. {name}:0.31), {name}:<count> "
+            f"(e.g. {name}:5000) or a token budget {name}:tokens=<ratio|count> (e.g. {name}:tokens=0.31), got the "
+            f"value {value!r}."
         ) from None
 
 
@@ -78,7 +92,8 @@ def baseline_plan(
     Args:
         spec: ``"full"``; ``"random:<ratio>"`` with a decimal point (``random:0.31``, ``random:1.0``) for a
             fraction of the data; ``"random:<count>"`` with an integer (``random:5000``) for a number of
-            examples.
+            examples; ``"random:tokens=<ratio|count>"`` (``random:tokens=0.31``, ``random:tokens=2000000``) for a
+            token budget (prompt + answer tokens).
         dataset: the tokenised data set (:class:`clusterlm.data.SFTDataset` or a sequence of example dicts).
         world_size: number of ranks.
             ``"s2l:..."``, ``"ifd:..."``, ``"less:..."`` (same value forms) need ``model``.
@@ -98,18 +113,8 @@ def baseline_plan(
     if spec == "full":
         return full_plan(dataset, world_size, seed=seed, token_balance=token_balance)
     if spec.startswith("random:"):
-        value = spec.split(":", 1)[1]
-        try:
-            if any(c in value for c in ".eE"):
-                return random_plan(dataset, world_size, ratio=float(value), seed=seed, token_balance=token_balance)
-            return random_plan(dataset, world_size, budget=int(value), seed=seed, token_balance=token_balance)
-        except ValueError as e:
-            if "random_plan:" in str(e):
-                raise
-            raise ValueError(
-                f"baseline_plan: spec {spec!r} must be random:<ratio> (e.g. random:0.31) or random:<count> "
-                f"(e.g. random:5000), got the value {value!r}."
-            ) from None
+        amount = _ratio_or_count(spec, spec.split(":", 1)[1])
+        return random_plan(dataset, world_size, **amount, seed=seed, token_balance=token_balance)
     name = spec.split(":", 1)[0]
     if ":" in spec and name in MODEL_BASELINES:
         if model is None:
@@ -122,5 +127,6 @@ def baseline_plan(
                                      **options)
     raise ValueError(
         f"baseline_plan: unknown baseline {spec!r}; expected one of {', '.join(BASELINE_SPECS)}, "
-        f"{', '.join(f'{m}:<ratio|count>' for m in MODEL_BASELINES)} (with model=), or a plan directory."
+        f"{', '.join(f'{m}:<ratio|count>' for m in MODEL_BASELINES)} (with model=; also <name>:tokens=<ratio|count>), "
+        "or a plan directory."
     )

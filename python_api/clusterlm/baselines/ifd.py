@@ -16,7 +16,9 @@ Performance with Self-Guided Data Selection for Instruction Tuning" (Cherry LLM)
 5. Keep the ``budget`` examples with the highest IFD (§2.4: "select the samples with the top IFD
    scores"). When fewer than ``budget`` have ``IFD <= 1`` the shortfall is filled with the dropped ones of
    lowest IFD (closest to 1), stated in ``plan.stats``, so every baseline trains on the same number of
-   examples.
+   examples. A token budget (``token_ratio`` / ``token_budget``) takes the same order (IFD <= 1 highest first,
+   then the dropped closest to 1) until the budget is met, the cluster method's rule
+   (:mod:`clusterlm.baselines._plans`): within one example per rank of the budget.
 
 The paper scores with a briefly pre-experienced model; we score with the model being fine-tuned (the
 setting of the CluSTER paper's comparison). Both passes are batched by length
@@ -32,11 +34,12 @@ import numpy as np
 import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
-from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._plans import make_plan, resolve_amount
 from clusterlm.baselines._training import example_losses, stage
+from clusterlm.data import lengths_of
 from clusterlm.plan import Plan
 
-__all__ = ["answer_only", "ifd_plan", "ifd_select"]
+__all__ = ["answer_only", "ifd_order", "ifd_plan", "ifd_select", "ifd_stats"]
 
 
 def answer_only(example: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -54,6 +57,33 @@ def answer_only(example: dict[str, Any]) -> dict[str, np.ndarray]:
     return {"input_ids": new_ids, "labels": new_labels}
 
 
+def ifd_order(loss_given_prompt: np.ndarray, loss_answer_only: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 3-5 as a ranking: IFD <= 1 highest first, then the dropped (IFD > 1) closest to 1 first.
+
+    Args:
+        loss_given_prompt: (N,) ``s(A|Q)``.
+        loss_answer_only: (N,) ``s(A)`` (> 0).
+
+    Returns:
+        ``(order int64, ifd (N,) float64)``; ties by index.
+    """
+    cond = np.asarray(loss_given_prompt, dtype=np.float64)
+    direct = np.asarray(loss_answer_only, dtype=np.float64)
+    ifd = cond / np.maximum(direct, 1e-12)
+    idx = np.arange(len(ifd))
+    ok = idx[ifd <= 1.0]
+    ok = ok[np.lexsort((ok, -ifd[ok]))]  # highest IFD first, ties by index
+    over = idx[ifd > 1.0]
+    over = over[np.lexsort((over, ifd[over]))]  # closest to 1 first
+    return np.concatenate([ok, over]).astype(np.int64), ifd
+
+
+def ifd_stats(ifd: np.ndarray, selected: np.ndarray) -> dict[str, Any]:
+    """What the plan records of an IFD selection (``stats``): dropped, filled from the dropped, IFD levels."""
+    return {"dropped_ifd_gt_1": int((ifd > 1.0).sum()), "filled_from_dropped": int((ifd[selected] > 1.0).sum()),
+            "ifd_selected_min": float(ifd[selected].min()), "ifd_median": float(np.median(ifd))}
+
+
 def ifd_select(loss_given_prompt: np.ndarray, loss_answer_only: np.ndarray, count: int
                ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Steps 3-5: IFD ratio, drop IFD > 1, the ``count`` highest (shortfall: lowest of the dropped).
@@ -66,22 +96,9 @@ def ifd_select(loss_given_prompt: np.ndarray, loss_answer_only: np.ndarray, coun
     Returns:
         ``(selected sorted int64, ifd (N,) float64, stats)``.
     """
-    cond = np.asarray(loss_given_prompt, dtype=np.float64)
-    direct = np.asarray(loss_answer_only, dtype=np.float64)
-    ifd = cond / np.maximum(direct, 1e-12)
-    idx = np.arange(len(ifd))
-    ok = idx[ifd <= 1.0]
-    ok = ok[np.lexsort((ok, -ifd[ok]))]  # highest IFD first, ties by index
-    chosen = ok[:count]
-    filled = 0
-    if len(chosen) < count:
-        over = idx[ifd > 1.0]
-        over = over[np.lexsort((over, ifd[over]))]  # closest to 1 first
-        filled = count - len(chosen)
-        chosen = np.concatenate([chosen, over[:filled]])
-    stats = {"dropped_ifd_gt_1": int((ifd > 1.0).sum()), "filled_from_dropped": int(filled),
-             "ifd_selected_min": float(ifd[chosen].min()), "ifd_median": float(np.median(ifd))}
-    return np.sort(chosen.astype(np.int64)), ifd, stats
+    order, ifd = ifd_order(loss_given_prompt, loss_answer_only)
+    chosen = order[:count]
+    return np.sort(chosen), ifd, ifd_stats(ifd, chosen)
 
 
 def ifd_plan(
@@ -91,6 +108,8 @@ def ifd_plan(
     ratio: float | None = None,
     budget: int | None = None,
     *,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     seed: int = 0,
     batch_tokens: int = 8192,
     autocast_dtype: torch.dtype | None = None,
@@ -103,7 +122,9 @@ def ifd_plan(
         model: the causal LM that scores (not changed).
         dataset: tokenised examples.
         world_size: ranks K.
-        ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
+        ratio / budget: fraction or number of examples; rounded down to a multiple of K.
+        token_ratio / token_budget: fraction or number of tokens (prompt + answer) instead: the ranking until the
+            budget is met, within one example per rank (``stats["token_budget"]``). Exactly one of the four.
         seed: visit order only (the selection itself is deterministic).
         batch_tokens: padded tokens per forward.
         autocast_dtype: e.g. ``torch.bfloat16`` on GPU.
@@ -115,11 +136,12 @@ def ifd_plan(
         ``loss_answer_only``, ``rank``, ``selection``.
 
     Raises:
-        ValueError: bad budget or world size.
+        ValueError: not exactly one budget, a bad budget or world size.
     """
     t0 = time.perf_counter()
     n = len(dataset)
-    count, stats = budget_count(n, world_size, ratio, budget, "ifd_plan")
+    lengths = lengths_of(dataset)
+    amount = resolve_amount(lengths, world_size, ratio, budget, token_ratio, token_budget, "ifd_plan")
     timings: dict[str, float] = {}
     with stage(timings, "loss_given_prompt"):
         cond = example_losses(model, dataset, batch_tokens=batch_tokens, autocast_dtype=autocast_dtype)
@@ -127,10 +149,10 @@ def ifd_plan(
         direct = example_losses(model, [answer_only(dataset[i]) for i in range(n)], batch_tokens=batch_tokens,
                                 autocast_dtype=autocast_dtype)
     with stage(timings, "rank"):
-        selected, _, ifd_stats = ifd_select(cond, direct, count)
-    stats.update(ifd_stats)
-    config = {"method": "ifd", "ratio": None if ratio is None else float(ratio),
-              "budget": None if budget is None else int(budget),
+        order, ifd = ifd_order(cond, direct)
+        selected, stats = amount.take(order, lengths, world_size)
+    stats.update(ifd_stats(ifd, selected))
+    config = {"method": "ifd", **amount.record,
               "source": "Li et al., From Quantity to Quality (Cherry LLM, IFD), NAACL 2024, sec. 2.3-2.4"}
     return make_plan(dataset, selected, world_size, seed=seed, config=config, stats=stats, timings=timings, t0=t0,
                      model_id=model_id, token_balance=token_balance)

@@ -27,7 +27,8 @@ Small-scale re-implementation, step by step:
 5. *Score* (§3.3 eq. 5-6, ``matching.py``): cosine similarity of every projected training gradient
    with every projected validation gradient, averaged over the validation examples (one target task),
    summed over checkpoints with weights = the mean learning rate of each epoch, normalised to sum 1.
-6. *Top budget* by score.
+6. *Top budget* by score. A token budget (``token_ratio`` / ``token_budget``) takes the examples by score until
+   it is met, the cluster method's rule (:mod:`clusterlm.baselines._plans`): within one example per rank.
 
 The validation set is a small set of examples of the target distribution (``compare`` takes it from
 the held-out split and evaluates on the rest). Selection time includes the warm-up, the gradient
@@ -47,7 +48,7 @@ import torch
 
 from cluster_kernels.project_linear_grads import segment_outer_sum
 from cluster_kernels.projection import random_projection
-from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._plans import make_plan, resolve_amount
 from clusterlm.baselines._training import (
     MICRO_BATCH_SIZE,
     TrainLoopConfig,
@@ -56,7 +57,7 @@ from clusterlm.baselines._training import (
     stage,
     train_loop,
 )
-from clusterlm.data import collate
+from clusterlm.data import collate, lengths_of
 from clusterlm.loss import per_example_loss
 from clusterlm.plan import Plan
 from clusterlm.settings import apply_settings
@@ -261,6 +262,8 @@ def less_plan(
     config: LessConfig | None = None,
     *,
     validation: Sequence[dict[str, np.ndarray]],
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     model_id: str = "",
     **overrides: Any,
 ) -> Plan:
@@ -270,10 +273,13 @@ def less_plan(
         model: the target causal LM (copied; not changed).
         dataset: tokenised training examples.
         world_size: ranks K.
-        ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
+        ratio / budget: fraction or number of examples; rounded down to a multiple of K.
         config: the settings (:class:`LessConfig`); ``overrides`` (any of its fields, e.g. ``lr=1e-3, dim=256``)
             are applied on top.
         validation: a few tokenised examples of the target distribution.
+        token_ratio / token_budget: fraction or number of tokens (prompt + answer) instead of ratio / budget: by
+            score until the budget is met, within one example per rank (``stats["token_budget"]``). Exactly one of
+            the four.
         model_id: recorded in the plan.
 
     Returns:
@@ -281,14 +287,16 @@ def less_plan(
         ``val_gradients``, ``score``, ``selection``; ``stats["checkpoint_weights"]``.
 
     Raises:
-        ValueError: bad budget / world size, an empty validation set, a bad ``warmup_fraction``.
+        ValueError: not exactly one budget, a bad budget / world size, an empty validation set, a bad
+            ``warmup_fraction``.
         TypeError: an unknown setting (the message lists the settings).
     """
     c = apply_settings(LessConfig, config, overrides, "less_plan")
     seed, dim, batch_tokens = c.seed, c.dim, c.batch_tokens
     t0 = time.perf_counter()
     n = len(dataset)
-    count, stats = budget_count(n, world_size, ratio, budget, "less_plan")
+    lengths = lengths_of(dataset)
+    amount = resolve_amount(lengths, world_size, ratio, budget, token_ratio, token_budget, "less_plan")
     if len(validation) == 0:
         raise ValueError("less_plan: validation must hold at least one example of the target distribution.")
     if not 0 < c.warmup_fraction <= 1:
@@ -326,11 +334,10 @@ def less_plan(
     with stage(timings, "score"):
         scores, weights = less_scores(train_feats, val_feats, lr_weights)
         order = np.lexsort((np.arange(n), -scores))
-        selected = np.sort(order[:count]).astype(np.int64)
+        selected, stats = amount.take(order, lengths, world_size)
     stats.update({"checkpoint_weights": weights.tolist(), "warmup_examples": int(n_warm),
                   "score_selected_min": float(scores[selected].min()), "score_max": float(scores.max())})
-    record = {"method": "less", "ratio": None if ratio is None else float(ratio),
-              "budget": None if budget is None else int(budget), "warmup_fraction": float(c.warmup_fraction),
+    record = {"method": "less", **amount.record, "warmup_fraction": float(c.warmup_fraction),
               "warmup_epochs": int(c.warmup_epochs), "lr": float(c.lr), "lora_r": int(c.lora_r),
               "lora_alpha": float(c.lora_alpha if c.lora_alpha is not None else 4 * c.lora_r),
               "lora_targets": c.lora_targets, "dim": int(dim), "n_validation": len(validation),

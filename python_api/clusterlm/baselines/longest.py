@@ -6,6 +6,10 @@ answers carry the most supervision. :func:`longest_plan` keeps the ``count`` exa
 to a multiple of the world size, :func:`clusterlm.baselines._plans.budget_count`). It therefore trains more
 tokens than a random sample of as many examples; ``clusterlm compare``'s frontier shows what that costs.
 
+A token budget (``token_ratio`` / ``token_budget``, prompt + answer tokens) takes the examples in the same order
+(most answer tokens first) until the budget is met, the cluster method's rule
+(:mod:`clusterlm.baselines._plans`): within one example per rank of the budget.
+
 Ties in answer length are broken by a seeded random draw, so seeds differ only there (and in the visit order).
 Every selected example has weight 1 and the selection is allocated like the random baseline's
 (:func:`clusterlm.baselines._plans.plan_from_selection`), so a comparison differs only in which examples train.
@@ -18,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.baselines._plans import STREAM_RANDOM, budget_count, check_seed, check_world_size, plan_from_selection
-from clusterlm.data import IGNORE_INDEX
+from clusterlm.baselines._plans import STREAM_RANDOM, check_seed, check_world_size, plan_from_selection, resolve_amount
+from clusterlm.data import IGNORE_INDEX, lengths_of
 from clusterlm.plan import Plan
 
 __all__ = ["answer_tokens", "longest_plan"]
@@ -52,6 +56,8 @@ def longest_plan(
     ratio: float | None = None,
     budget: int | None = None,
     *,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     seed: int = 0,
     token_balance: bool = True,
     model_id: str = "",
@@ -61,8 +67,11 @@ def longest_plan(
     Args:
         dataset: a :class:`clusterlm.data.SFTDataset` or a sequence of example dicts (``input_ids``, ``labels``).
         world_size: number of ranks K.
-        ratio / budget: fraction in (0, 1] or number of examples to keep (exactly one); rounded down to a
-            multiple of K (stated in ``stats["rounding"]``).
+        ratio / budget: fraction in (0, 1] or number of examples to keep; rounded down to a multiple of K
+            (stated in ``stats["rounding"]``).
+        token_ratio / token_budget: fraction in (0, 1] or number of tokens (prompt + answer) to keep instead: the
+            longest answers first until the budget is met, within one example per rank (``stats["token_budget"]``).
+            Exactly one of the four budgets.
         seed: breaks ties in answer length and seeds the visit order.
         token_balance: deal by length and align length quantiles across ranks (as the random baseline).
         model_id: recorded in the plan (no model is used).
@@ -72,23 +81,24 @@ def longest_plan(
         and the data set's mean answer length.
 
     Raises:
-        ValueError: both or neither of ratio/budget, a ratio outside (0, 1], a budget outside [1, N] or below the
-            world size, world_size not a positive int or larger than N, a negative seed.
+        ValueError: not exactly one of ratio/budget/token_ratio/token_budget, a fraction outside (0, 1], a budget
+            outside [1, N] or below the world size, a token budget outside [1, total tokens], world_size not a
+            positive int or larger than N, a negative seed.
     """
     t0 = time.perf_counter()
     n = len(dataset)
     world_size = check_world_size(world_size, n, "longest_plan")
     seed = check_seed(seed, "longest_plan")
-    count, stats = budget_count(n, world_size, ratio, budget, "longest_plan")
+    lengths = lengths_of(dataset)
+    amount = resolve_amount(lengths, world_size, ratio, budget, token_ratio, token_budget, "longest_plan")
     answers = answer_tokens(dataset)
     tie_break = np.random.default_rng(np.random.SeedSequence([seed, STREAM_RANDOM, _STREAM_LONGEST])).random(n)
     order = np.lexsort((tie_break, -answers))  # most answer tokens first, ties in a seeded random order
-    selected = np.sort(order[:count]).astype(np.int64)
+    selected, stats = amount.take(order, lengths, world_size)
     stats["answer_tokens"] = {"selected_mean": float(answers[selected].mean()), "data_mean": float(answers.mean()),
                               "shortest_selected": int(answers[selected].min())}
     return plan_from_selection(
         dataset, selected, world_size, seed=seed, token_balance=token_balance,
-        config={"method": "longest", "ratio": None if ratio is None else float(ratio),
-                "budget": None if budget is None else int(budget)},
+        config={"method": "longest", **amount.record},
         stats=stats, t0=t0, model_id=model_id,
     )

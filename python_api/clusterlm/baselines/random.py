@@ -3,8 +3,10 @@
 - :func:`full_plan`: every example (the full-data run). DDP steps in lock-step, so every rank needs the
   same count; when N is not a multiple of the world size, ``N mod K`` examples (at most K - 1) are left
   out, chosen uniformly at random by ``seed``, and the plan says which in ``stats["left_out"]``.
-- :func:`random_plan`: a uniform sample of the budget (DESIGN.md §6, "random"). The budget is rounded
-  down to a multiple of the world size; ``stats["rounding"]`` states it when that changes the count.
+- :func:`random_plan`: a uniform sample of the budget (docs/design.md section 6, "random"). The budget is rounded
+  down to a multiple of the world size; ``stats["rounding"]`` states it when that changes the count. A token
+  budget (``token_ratio`` / ``token_budget``) takes a prefix of one seeded random permutation, the cluster
+  method's rule (:mod:`clusterlm.baselines._plans`): within one example per rank of the budget.
 
 Both give every selected example weight 1 (:func:`clusterlm.allocation.selection_weights` with a single
 pseudo-cluster), so ``mean_b(w_b * loss_b)`` is the plain mean loss and DDP's gradient average is the
@@ -27,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.baselines._plans import STREAM_RANDOM, budget_count, check_seed, check_world_size, plan_from_selection
+from clusterlm.baselines._plans import STREAM_RANDOM, check_seed, check_world_size, plan_from_selection, resolve_amount
+from clusterlm.data import lengths_of
 from clusterlm.plan import Plan
 
 __all__ = ["full_plan", "random_plan"]
@@ -86,6 +89,8 @@ def random_plan(
     ratio: float | None = None,
     budget: int | None = None,
     *,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     seed: int = 0,
     token_balance: bool = True,
     model_id: str = "",
@@ -95,8 +100,11 @@ def random_plan(
     Args:
         dataset: a :class:`clusterlm.data.SFTDataset` or a sequence of example dicts.
         world_size: number of ranks K.
-        ratio / budget: fraction in (0, 1] or number of examples to keep (exactly one). The count is
-            rounded down to a multiple of K (stated in ``stats["rounding"]``).
+        ratio / budget: fraction in (0, 1] or number of examples to keep. The count is rounded down to a
+            multiple of K (stated in ``stats["rounding"]``).
+        token_ratio / token_budget: fraction in (0, 1] or number of tokens (prompt + answer) to keep instead:
+            the prefix of one seeded random permutation closest to the budget, ``m`` examples per rank (within
+            one example per rank; ``stats["token_budget"]``). Exactly one of the four budgets.
         seed: seed of the sample and of the visit order.
         token_balance: deal by length and align length quantiles across ranks (see the module docstring).
         model_id: recorded in the plan (no model is used).
@@ -105,19 +113,22 @@ def random_plan(
         A :class:`Plan` whose selected examples all have weight 1.
 
     Raises:
-        ValueError: both or neither of ratio/budget, a ratio outside (0, 1], a budget outside [1, N], a
-            budget below the world size, world_size not a positive int or larger than N, a negative seed.
+        ValueError: not exactly one of ratio/budget/token_ratio/token_budget, a fraction outside (0, 1], a
+            budget outside [1, N] or below the world size, a token budget outside [1, total tokens], world_size
+            not a positive int or larger than N, a negative seed.
     """
     t0 = time.perf_counter()
     n = len(dataset)
     world_size = check_world_size(world_size, n, "random_plan")
     seed = check_seed(seed, "random_plan")
-    count, stats = budget_count(n, world_size, ratio, budget, "random_plan")
+    lengths = lengths_of(dataset)
+    amount = resolve_amount(lengths, world_size, ratio, budget, token_ratio, token_budget, "random_plan")
     rng = np.random.default_rng(np.random.SeedSequence([seed, STREAM_RANDOM]))
-    selected = np.sort(rng.choice(n, size=count, replace=False)).astype(np.int64)
+    if amount.count is not None:  # the example budget's draw, unchanged
+        selected, stats = np.sort(rng.choice(n, size=amount.count, replace=False)).astype(np.int64), amount.stats
+    else:
+        selected, stats = amount.take(rng.permutation(n), lengths, world_size)
     return plan_from_selection(
         dataset, selected, world_size, seed=seed, token_balance=token_balance,
-        config={"method": "random", "ratio": None if ratio is None else float(ratio),
-                "budget": None if budget is None else int(budget)},
-        stats=stats, t0=t0, model_id=model_id,
+        config={"method": "random", **amount.record}, stats=stats, t0=t0, model_id=model_id,
     )

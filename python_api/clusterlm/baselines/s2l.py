@@ -21,6 +21,13 @@ Fine-tuning Large Language Models by Summarizing Training Trajectories of Small 
    (all of it when it is smaller). Clusters of size <= ``skip_size`` (2) are skipped (outlier
    trajectories); a shortfall left by small clusters and rounding is filled uniformly at random from the
    examples not yet taken.
+   A token budget (``token_ratio`` / ``token_budget``) samples in the same spirit as a prefix: the clusters'
+   members (each cluster in a seeded random order) are taken round-robin, one from every cluster per lap, the
+   largest cluster first in a lap (the clusters Alg. 1 visits last get its rounding remainder), then the members
+   of the skipped clusters in random order (:func:`balanced_cluster_order`). The first ``c`` of that order take
+   from every cluster exactly as many as Alg. 1 with budget ``c`` (equal counts, small clusters whole); the
+   token budget keeps the prefix closest to it, within one example per rank (the cluster method's rule,
+   :mod:`clusterlm.baselines._plans`). S2L balances example counts over clusters, not tokens.
 5. The selection becomes a :class:`Plan` (weight 1 each, stratified allocation to ranks) so the same
    trainer trains it.
 
@@ -39,7 +46,7 @@ import numpy as np
 import torch
 
 from cluster_kernels import capacity_kmeans
-from clusterlm.baselines._plans import budget_count, make_plan
+from clusterlm.baselines._plans import make_plan, resolve_amount
 from clusterlm.baselines._training import (
     LOSS_BATCH_TOKENS,
     MICRO_BATCH_SIZE,
@@ -48,10 +55,11 @@ from clusterlm.baselines._training import (
     stage,
     train_loop,
 )
+from clusterlm.data import lengths_of
 from clusterlm.plan import Plan
 from clusterlm.settings import apply_settings
 
-__all__ = ["S2LConfig", "balanced_cluster_sample", "build_proxy", "s2l_plan"]
+__all__ = ["S2LConfig", "balanced_cluster_order", "balanced_cluster_sample", "build_proxy", "s2l_plan"]
 
 _STREAM_S2L = 0x52C1
 
@@ -171,6 +179,54 @@ def balanced_cluster_sample(
     return selected, {"per_cluster": per_cluster, "skipped_clusters": skipped, "filled": filled}
 
 
+def _visit_order(labels: np.ndarray, skip_size: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Cluster ids and sizes, and Alg. 1's visit order: positions of the clusters above ``skip_size``, smallest
+    first (ties by id)."""
+    ids, sizes = np.unique(labels, return_counts=True)
+    order = np.lexsort((ids, sizes))
+    return ids, sizes, [int(j) for j in order if sizes[j] > skip_size]
+
+
+def balanced_cluster_order(
+    labels: np.ndarray, *, seed: int = 0, skip_size: int = S2LConfig.skip_size
+) -> np.ndarray:
+    """S2L's sampling as an order (module docstring, step 4): every prefix is a balanced sample.
+
+    Args:
+        labels: (N,) int64 cluster of every example (any non-negative ids).
+        seed: seed of the random order within clusters and of the skipped clusters' members.
+        skip_size: clusters of at most this size come last (Alg. 1 skips them and fills from them).
+
+    Returns:
+        (N,) int64, a permutation of ``arange(N)``: round-robin over the clusters above ``skip_size`` (largest
+        first in a lap), then the skipped clusters' members in random order. Its first ``c`` take from each of
+        those clusters as many as :func:`balanced_cluster_sample` with ``count = c``.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _STREAM_S2L, 1]))
+    ids, _, visit = _visit_order(labels, skip_size)
+    lap_position = np.full(len(ids), -1, dtype=np.int64)
+    lap_position[visit[::-1]] = np.arange(len(visit))  # Alg. 1 visits the largest last: they get the remainder
+    cluster = np.searchsorted(ids, labels)
+    within = np.zeros(len(labels), dtype=np.int64)  # each example's lap: its rank in its cluster's random order
+    for j in visit:
+        members = np.flatnonzero(cluster == j)
+        within[rng.permutation(members)] = np.arange(len(members))
+    kept = np.flatnonzero(lap_position[cluster] >= 0)
+    kept = kept[np.lexsort((lap_position[cluster[kept]], within[kept]))]  # lap by lap, in lap order
+    rest = rng.permutation(np.flatnonzero(lap_position[cluster] < 0))
+    return np.concatenate([kept, rest]).astype(np.int64)
+
+
+def _sample_stats(labels: np.ndarray, selected: np.ndarray, skip_size: int) -> dict[str, Any]:
+    """:func:`balanced_cluster_sample`'s statistics of a selection (per visited cluster, skipped, filled)."""
+    ids, sizes, visit = _visit_order(labels, skip_size)
+    taken = np.bincount(np.searchsorted(ids, labels[selected]), minlength=len(ids))
+    per_cluster = [[int(ids[j]), int(sizes[j]), int(taken[j])] for j in visit]
+    return {"per_cluster": per_cluster, "skipped_clusters": int(len(ids) - len(visit)),
+            "filled": int(len(selected) - sum(t for _, _, t in per_cluster))}
+
+
 def s2l_plan(
     model: torch.nn.Module,
     dataset: Any,
@@ -179,6 +235,8 @@ def s2l_plan(
     budget: int | None = None,
     config: S2LConfig | None = None,
     *,
+    token_ratio: float | None = None,
+    token_budget: int | None = None,
     model_id: str = "",
     trajectories: np.ndarray | None = None,
     **overrides: Any,
@@ -189,9 +247,12 @@ def s2l_plan(
         model: the target model (Hugging Face causal LM); the proxy is derived from it, it is not changed.
         dataset: tokenised examples (:class:`clusterlm.data.SFTDataset` or example dicts).
         world_size: ranks K.
-        ratio / budget: fraction or number of examples (exactly one); rounded down to a multiple of K.
+        ratio / budget: fraction or number of examples; rounded down to a multiple of K.
         config: the settings (:class:`S2LConfig`); ``overrides`` (any of its fields, e.g. ``n_clusters=50,
             lr=1e-3``) are applied on top.
+        token_ratio / token_budget: fraction or number of tokens (prompt + answer) instead of ratio / budget: a
+            prefix of :func:`balanced_cluster_order`, within one example per rank (``stats["token_budget"]``).
+            Exactly one of the four.
         model_id: recorded in the plan.
         trajectories: (N, T) precomputed loss trajectories (skips steps 1-2; for tests and reuse).
 
@@ -200,13 +261,15 @@ def s2l_plan(
         ``kmeans``, ``sample`` and ``selection`` (the total).
 
     Raises:
-        ValueError: bad budget / world size / proxy_layers, or ``trajectories`` of the wrong shape.
+        ValueError: not exactly one budget, a bad budget / world size / proxy_layers, or ``trajectories`` of the
+            wrong shape.
         TypeError: an unknown setting (the message lists the settings).
     """
     c = apply_settings(S2LConfig, config, overrides, "s2l_plan")
     t0 = time.perf_counter()
     n = len(dataset)
-    count, stats = budget_count(n, world_size, ratio, budget, "s2l_plan")
+    lengths = lengths_of(dataset)
+    amount = resolve_amount(lengths, world_size, ratio, budget, token_ratio, token_budget, "s2l_plan")
     timings: dict[str, float] = {}
     if trajectories is None:
         trajectories = _loss_trajectories(model, dataset, c, timings)
@@ -218,11 +281,16 @@ def s2l_plan(
         result = capacity_kmeans(np.ascontiguousarray(traj), k, seed=c.seed, n_init=3)
     labels = np.asarray(result.labels, dtype=np.int64)
     with stage(timings, "sample"):
-        selected, sample_stats = balanced_cluster_sample(labels, count, seed=c.seed, skip_size=c.skip_size)
+        if amount.count is not None:  # Alg. 1 as published
+            selected, sample_stats = balanced_cluster_sample(labels, amount.count, seed=c.seed, skip_size=c.skip_size)
+            stats = dict(amount.stats)
+        else:
+            order = balanced_cluster_order(labels, seed=c.seed, skip_size=c.skip_size)
+            selected, stats = amount.take(order, lengths, world_size)
+            sample_stats = _sample_stats(labels, selected, c.skip_size)
     stats.update(sample_stats)
     stats["trajectory_length"] = int(traj.shape[1])
-    record = {"method": "s2l", "ratio": None if ratio is None else float(ratio),
-              "budget": None if budget is None else int(budget), "n_clusters": k, "skip_size": int(c.skip_size),
+    record = {"method": "s2l", **amount.record, "n_clusters": k, "skip_size": int(c.skip_size),
               "proxy_layers": c.proxy_layers, "proxy_epochs": int(c.proxy_epochs),
               "n_checkpoints": int(c.n_checkpoints), "lr": float(c.lr), "micro_batch_size": int(c.micro_batch_size),
               "source": "Yang et al., SmallToLarge (S2L), NeurIPS 2024, Algorithm 1"}

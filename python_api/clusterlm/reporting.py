@@ -1,0 +1,83 @@
+"""``report_to``: the scalars of ``metrics.jsonl`` also to TensorBoard and/or Weights & Biases (rank 0).
+
+As in Hugging Face's ``TrainingArguments.report_to``: ``"tensorboard"`` writes event files to ``OUT/tensorboard``
+with :class:`torch.utils.tensorboard.SummaryWriter`; ``"wandb"`` logs to a W&B run named after OUT (``WANDB_MODE``,
+``WANDB_PROJECT`` and the other ``WANDB_*`` variables apply: ``WANDB_MODE=offline`` needs no network). Both
+packages are optional extras; asking for one that is missing is one line naming the pip command, before any model
+loads (:func:`check_report_to`).
+
+Scalars, under the names metrics.jsonl uses: ``train/loss``, ``train/loss_unweighted``, ``train/lr``,
+``train/grad_norm``, ``train/tokens_per_s``, ``train/tokens``; ``eval/eval_loss``. The step is the optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EVAL_SCALARS", "INSTALL", "TENSORBOARD_DIR", "TRAIN_SCALARS", "Reporters", "check_report_to"]
+
+TENSORBOARD_DIR = "tensorboard"
+TRAIN_SCALARS = ("loss", "loss_unweighted", "lr", "grad_norm", "tokens_per_s", "tokens")
+EVAL_SCALARS = ("eval_loss",)
+# report_to -> (the module it needs, what installs it)
+INSTALL = {"tensorboard": ("tensorboard", "pip install tensorboard  (or: pip install 'cluster-kernels[tensorboard]')"),
+           "wandb": ("wandb", "pip install wandb  (or: pip install 'cluster-kernels[wandb]')")}
+
+
+def check_report_to(report_to: Sequence[str]) -> None:
+    """Refuse a ``report_to`` whose package is not installed.
+
+    Raises:
+        ImportError: one line naming the package and its pip command.
+    """
+    for name in report_to:
+        if name in INSTALL and importlib.util.find_spec(INSTALL[name][0]) is None:
+            raise ImportError(f"train: --report-to {name} needs the {INSTALL[name][0]} package, which is not "
+                              f"installed; install it with: {INSTALL[name][1]}")
+
+
+class Reporters:
+    """The writers of one run (rank 0 only; an empty ``report_to`` or ``("none",)`` makes it a no-op)."""
+
+    def __init__(self, report_to: Sequence[str], out: Path, config: dict[str, Any], enabled: bool,
+                 resumed: bool = False) -> None:
+        self.writers: list[Any] = []
+        self.run: Any = None
+        if not enabled:
+            return
+        check_report_to(report_to)
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step on a resumed run drops the events after the checkpoint, as metrics.jsonl is rewritten
+            self.writers.append(SummaryWriter(log_dir=str(out / TENSORBOARD_DIR)))
+        if "wandb" in report_to:
+            import wandb
+
+            self.run = wandb.init(name=Path(out).name, dir=str(out), config=config, resume="allow" if resumed else None,
+                                  project=os.environ.get("WANDB_PROJECT", "clusterlm"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log one metrics.jsonl record (``kind`` train or eval) at its step."""
+        if not self.writers and self.run is None:
+            return
+        kind = record.get("kind", "train")
+        names = EVAL_SCALARS if kind == "eval" else TRAIN_SCALARS
+        scalars = {f"{kind}/{k}": float(record[k]) for k in names if record.get(k) is not None}
+        for w in self.writers:
+            for tag, value in scalars.items():
+                w.add_scalar(tag, value, global_step=int(record["step"]))
+            w.flush()
+        if self.run is not None and scalars:
+            self.run.log(scalars, step=int(record["step"]))
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+        if self.run is not None:
+            self.run.finish()
+        self.writers, self.run = [], None

@@ -1,0 +1,323 @@
+"""The documentation is tested: code blocks run, references resolve, the site builds, the generated files are current.
+
+Code blocks. Every ```python / ```bash block of ``README.md`` and ``docs/*.md`` is marked on the line before its
+fence, visibly in the source:
+
+* ``<!-- runnable -->``: run here, on the built-in tiny model and a slice of the demo data;
+* ``<!-- illustrative -->``: shown only (GPUs, other models, hours of compute, a placeholder model).
+
+The runnable blocks of one file run in order in one process (Python blocks share one namespace, as in a
+reader's session; shell blocks run with ``bash -euo pipefail``), all files in one shared working directory in
+the order of :data:`DOC_FILES`, so a guide can use the plan or the run an earlier page made. A shell block
+whose exact text already ran there is not run again (the same command gives the same files). The working
+directory starts with ``train.jsonl`` / ``heldout.jsonl`` from the README's data block, so each file also runs
+on its own (``pytest tests/test_docs.py -k training``).
+
+References. Every ``docs/<page>.md`` named in the code, the docs and the benchmarks exists, and so does every
+section it cites ("docs/scaling.md section 4", "§4", ``page.md#anchor``); every repository path quoted in the
+README and the guides exists; nothing cites a file outside the repository.
+
+Site. ``mkdocs build --strict`` (the ``docs`` extra, also in ``test``): a broken link, a missing page or an
+object mkdocstrings cannot find fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC_FILES = ["README.md", "docs/selection.md", "docs/training.md", "docs/integrations.md", "docs/compare.md",
+             "docs/kmeans.md", "docs/gpu.md", "docs/design.md", "docs/scaling.md", "docs/architecture.md"]
+RUNNABLE, ILLUSTRATIVE = "<!-- runnable -->", "<!-- illustrative -->"
+EXECUTED = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash", "console": "bash"}
+FENCE = re.compile(r"^(\s*)```\s*([A-Za-z0-9_+-]*)\s*$")
+BLOCK_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Block:
+    path: str  # relative to the repository
+    line: int  # 1-based line of the opening fence
+    lang: str  # as written after the fence
+    code: str
+    mark: str | None  # "runnable", "illustrative" or None
+
+    @property
+    def kind(self) -> str | None:
+        return EXECUTED.get(self.lang.lower())
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of a markdown file, each with the marker on the nearest non-blank line above it."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rel = str(path.relative_to(REPO))
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2), i
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        code = textwrap.dedent("\n".join(line[len(indent):] if line.startswith(indent) else line
+                                         for line in lines[i + 1: j]))
+        k = start - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        above = lines[k].strip() if k >= 0 else ""
+        mark = {RUNNABLE: "runnable", ILLUSTRATIVE: "illustrative"}.get(above)
+        blocks.append(Block(rel, start + 1, lang, code + "\n", mark))
+        i = j + 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [b for name in DOC_FILES for b in parse_blocks(REPO / name)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Markers
+
+
+def test_every_executable_block_is_marked() -> None:
+    """A python or shell block says whether it runs; a marker stands only before a code block."""
+    unmarked = [b.where() for b in all_blocks() if b.kind and b.mark is None]
+    assert not unmarked, (f"code blocks without {RUNNABLE} or {ILLUSTRATIVE} on the line before the fence: "
+                          f"{unmarked}")
+    for name in DOC_FILES:
+        lines = (REPO / name).read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines):
+            if line.strip() in (RUNNABLE, ILLUSTRATIVE):
+                nxt = next((x for x in lines[n + 1:] if x.strip()), "")
+                assert FENCE.match(nxt), f"{name}:{n + 1}: {line.strip()} is not followed by a code block"
+
+
+def test_readme_starts_with_the_two_commands_and_is_short() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200, "README.md: at most 200 lines; details go to docs/"
+    first = parse_blocks(REPO / "README.md")[0]
+    commands = [line.split("#")[0].strip() for line in first.code.splitlines() if line.strip()]
+    assert commands[:2] == ["make demo", "make test"], commands
+
+
+# --------------------------------------------------------------------------------------------------
+# Running the runnable blocks
+
+DRIVER = r'''
+import json, os, subprocess, sys, traceback, hashlib
+blocks = json.load(open(sys.argv[1]))
+done_path = ".doc_blocks_done"
+done = set(open(done_path).read().split()) if os.path.exists(done_path) else set()
+namespace = {"__name__": "__main__"}
+for b in blocks:
+    print(f"\n===== {b['where']} ({b['kind']}) =====", flush=True)
+    if b["kind"] == "bash":
+        key = hashlib.sha256(b["code"].encode()).hexdigest()
+        if key in done:
+            print("(ran already in this directory)", flush=True)
+            continue
+        rc = subprocess.run(["bash", "-euo", "pipefail", "-c", b["code"]]).returncode
+        if rc != 0:
+            print(f"BLOCK FAILED: {b['where']}: exit status {rc}", flush=True)
+            sys.exit(1)
+        with open(done_path, "a") as f:
+            f.write(key + "\n")
+    else:
+        try:
+            exec(compile(b["code"], b["where"], "exec"), namespace)
+        except BaseException:
+            traceback.print_exc()
+            print(f"BLOCK FAILED: {b['where']}", flush=True)
+            sys.exit(1)
+print("\nALL BLOCKS PASSED", flush=True)
+'''
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["CLUSTERLM_HOME"] = str(home)
+    env.setdefault("MPLBACKEND", "Agg")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TQDM_DISABLE"] = "1"
+    return env
+
+
+def run_blocks(blocks: list[Block], workdir: Path, home: Path) -> subprocess.CompletedProcess:
+    spec = workdir / f".blocks_{hashlib.sha256(repr(blocks).encode()).hexdigest()[:12]}.json"
+    spec.write_text(json.dumps([{"where": b.where(), "kind": b.kind, "code": b.code} for b in blocks]))
+    driver = workdir / ".doc_driver.py"
+    driver.write_text(DRIVER)
+    return subprocess.run([sys.executable, str(driver), str(spec)], cwd=workdir, env=_env(home),
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+
+
+def _check(proc: subprocess.CompletedProcess) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ALL BLOCKS PASSED" in proc.stdout, out[-6000:]
+
+
+@pytest.fixture(scope="session")
+def doc_workdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One working directory for every doc file, with the README's data block run (train.jsonl, heldout.jsonl)."""
+    home = Path(os.environ["CLUSTERLM_HOME"]) if os.environ.get("CLUSTERLM_HOME") else \
+        tmp_path_factory.mktemp("clusterlm_home")
+    workdir = tmp_path_factory.mktemp("doc_blocks")
+    data_block = next(b for b in parse_blocks(REPO / "README.md")
+                      if b.mark == "runnable" and b.kind == "python" and "demo_data" in b.code)
+    _check(run_blocks([data_block], workdir, home))
+    return workdir, home
+
+
+def _runnable(name: str) -> list[Block]:
+    return [b for b in parse_blocks(REPO / name) if b.mark == "runnable" and b.kind]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in DOC_FILES if _runnable(n)])
+def test_runnable_blocks(name: str, doc_workdir: tuple[Path, Path]) -> None:
+    """Every runnable block of ``name`` runs, in order, in the shared working directory."""
+    workdir, home = doc_workdir
+    _check(run_blocks(_runnable(name), workdir, home))
+
+
+# --------------------------------------------------------------------------------------------------
+# References
+
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".cpp", ".h", ".cu", ".cuh", ".toml", ".yml", ".yaml", ".txt", ".cfg"}
+SKIP_DIRS = {".venv", ".git", "build", "site", "__pycache__", ".pytest_cache", "node_modules", "runs"}
+DOC_REF = re.compile(r"docs/([A-Za-z0-9_/-]+\.md)(?:#([A-Za-z0-9_-]+))?"
+                     r"(?:`{0,2},?\s*(?:section|§)\s*(\d+)|\s*§\s*(\d+))?")
+MD_LINK = re.compile(r"\]\(([^)\s]+?\.md)(?:#([A-Za-z0-9_-]+))?\)")
+REPO_PATH = re.compile(r"`((?:tests|benchmarks|python_api|cluster_kernels|csrc|docs)/[A-Za-z0-9_./*-]+)`")
+
+
+def _text_files() -> list[Path]:
+    out = []
+    for p in REPO.rglob("*"):
+        rel = p.relative_to(REPO)
+        if p.is_file() and p.suffix in TEXT_SUFFIXES and not (set(rel.parts[:-1]) & SKIP_DIRS) \
+                and rel.parts[0] not in SKIP_DIRS:
+            out.append(p)
+    return out
+
+
+def slugify(heading: str) -> str:
+    """The anchor of a markdown heading (Python-Markdown's toc, as MkDocs and GitHub agree on for these)."""
+    text = re.sub(r"[^\w\s-]", "", heading).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    heads = [m.group(1) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", page.read_text(encoding="utf-8"), re.M)]
+    return {slugify(h) for h in heads}
+
+
+def _sections(page: Path) -> set[str]:
+    return set(re.findall(r"^#{2,3}\s+(\d+)\.", page.read_text(encoding="utf-8"), re.M))
+
+
+def test_docs_references_resolve() -> None:
+    """Every docs/<page>.md cited anywhere exists, with the section or anchor it names."""
+    problems = []
+    for path in _text_files():
+        if path.name == "test_docs.py":
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        rel = path.relative_to(REPO)
+        for m in DOC_REF.finditer(text):
+            page = REPO / "docs" / m.group(1)
+            if not page.is_file():
+                problems.append(f"{rel}: docs/{m.group(1)} does not exist")
+                continue
+            if m.group(2) and m.group(2) not in _anchors(page):
+                problems.append(f"{rel}: docs/{m.group(1)}#{m.group(2)}: no such heading")
+            section = m.group(3) or m.group(4)
+            if section and section not in _sections(page):
+                problems.append(f"{rel}: docs/{m.group(1)} section {section}: no heading '## {section}.'")
+    assert not problems, "\n".join(problems)
+
+
+def test_markdown_links_resolve() -> None:
+    """Relative links between the README, the guides and BENCHMARKS.md point at files and headings that exist."""
+    problems = []
+    for name in DOC_FILES + ["docs/index.md", "BENCHMARKS.md", "benchmarks/README.md"]:
+        page = REPO / name
+        for m in MD_LINK.finditer(page.read_text(encoding="utf-8")):
+            target = (page.parent / m.group(1)).resolve()
+            if "://" in m.group(1):
+                continue
+            if not target.is_file():
+                problems.append(f"{name}: link to {m.group(1)}: no such file")
+            elif m.group(2) and m.group(2) not in _anchors(target):
+                problems.append(f"{name}: link to {m.group(1)}#{m.group(2)}: no such heading")
+    assert not problems, "\n".join(problems)
+
+
+def test_quoted_repository_paths_exist() -> None:
+    """`tests/...`, `benchmarks/...` and other repository paths quoted in the README and the guides exist."""
+    problems = []
+    for name in DOC_FILES + ["docs/index.md"]:
+        for m in REPO_PATH.finditer((REPO / name).read_text(encoding="utf-8")):
+            quoted = m.group(1).rstrip(".")
+            if "<" in quoted:
+                continue
+            if not (list(REPO.glob(quoted)) if "*" in quoted else (REPO / quoted).exists()):
+                # outputs the benchmarks write (results/gpu_*.json) and ptxas.md are generated: allowed if listed
+                if not quoted.startswith("benchmarks/results/gpu_"):
+                    problems.append(f"{name}: `{quoted}` does not exist")
+    assert not problems, "\n".join(problems)
+
+
+def test_nothing_cites_a_file_outside_the_repository() -> None:
+    """The design lives in docs/design.md; no code or doc cites the notes file the project once pointed at."""
+    offenders = [str(p.relative_to(REPO)) for p in _text_files()
+                 if p.name != "test_docs.py" and "DESIGN.md" in p.read_text(encoding="utf-8", errors="replace")]
+    offenders += [str(p.relative_to(REPO)) for p in (REPO / "benchmarks" / "results").glob("*.json")
+                  if "DESIGN.md" in p.read_text(encoding="utf-8")]
+    assert not offenders, f"cite docs/design.md instead of DESIGN.md: {offenders}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Generated files and the site
+
+
+def test_benchmarks_md_is_current_and_short() -> None:
+    """BENCHMARKS.md and the detail files are what render_benchmarks.py makes of the results; at most 400 lines."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render_benchmarks.py"), "--check"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 400
+    assert text.split("\n## ")[1].startswith("Summary")
+
+
+@pytest.mark.slow
+def test_mkdocs_site_builds_strict(tmp_path: Path) -> None:
+    """The site (guides + the API reference from the docstrings) builds with no warning (``make docs``)."""
+    try:
+        import mkdocs  # noqa: F401
+        import mkdocstrings  # noqa: F401
+    except ImportError:
+        pytest.fail("the docs build needs the `docs` extra: pip install -e '.[docs]' (the `test` extra has it)")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"),
+                           "-d", str(tmp_path / "site")], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert (tmp_path / "site" / "reference" / "clusterlm" / "index.html").is_file()
