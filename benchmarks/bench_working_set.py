@@ -7,9 +7,9 @@ Run from the repository root::
 
 A Lloyd loop on the mixture data of ``bench_kmeans_faiss.py`` (K = 64, cap ceil(1.5 N/K), the same initial
 centroids): each iteration forms the float64 cost matrix ``|x|^2 + |c|^2 - 2 x c^T`` with the reference's
-``_sqdist_ref``, then runs the native auction (``cluster_kernels._C.auction_block``) on it twice, with the
+``sqdist_ref``, then runs the native auction (``cluster_kernels._C.auction_block``) on it twice, with the
 working set and without (``working_set=False``), each warm-started from its own previous call, in alternating
-order; the labels must be equal; the centroids are then updated as the reference does (``_update_centroids_ref``:
+order; the labels must be equal; the centroids are then updated as the reference does (``update_centroids_ref``:
 cluster means). Times are per auction call, medians over ``--reps`` runs of the whole loop, grouped by
 iterations. The first call (cold prices) is the same for both and is left out.
 
@@ -44,7 +44,7 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
 
     import cluster_kernels._collectives as coll
     from cluster_kernels import _backend
-    from cluster_kernels.kmeans_reference import _sqdist_ref, _update_centroids_ref
+    from cluster_kernels.kmeans_reference import sqdist_ref, update_centroids_ref
 
     native = _backend.native()
     if native is None:
@@ -58,7 +58,7 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
     states: dict[bool, tuple] = {True: (None, None), False: (None, None)}
     out: dict[str, list] = {"with": [], "every": [], "rows": [], "solves": [], "whole": []}
     for it in range(iters):
-        cost = _sqdist_ref(xt, torch.from_numpy(c)).numpy()
+        cost = sqdist_ref(xt, torch.from_numpy(c)).numpy()
         got: dict[bool, Any] = {}
         for ws in (True, False) if it % 2 == 0 else (False, True):
             t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def run_loop(x: np.ndarray, hi: np.ndarray, iters: int, threads: int) -> dict[st
         out["whole"].append(bool(w["working_whole"]) or not w["working_calls"])
         labels = w["labels"]
         own = torch.from_numpy(cost[np.arange(n), labels])
-        c = _update_centroids_ref(xt, torch.from_numpy(labels), K, torch.from_numpy(c), own, False).numpy()
+        c = update_centroids_ref(xt, torch.from_numpy(labels), K, torch.from_numpy(c), own, False).numpy()
     return out
 
 

@@ -24,7 +24,7 @@ The algorithm is the one of :mod:`cluster_kernels.kmeans` (its float64 reference
   ``K`` counts are all-reduced. Empty clusters are re-seeded at the globally farthest point, as the
   reference.
 * **Auction**: the C++ auction of the single-process path (``cluster_kernels._C.auction_block``,
-  csrc/cpu/auction.cpp and the files it uses), written once for one process and for one rank of many. Prices, counts, eps and
+  csrc/cpu/auction.cpp and its files), written once for one process and for one rank of many. Prices, counts, eps and
   dummy units are global — every rank computes the same values from all-reduced counts — and argmins,
   regrets, gaps and re-bids are local. A round needs, per over-full cluster, the ``excess`` members with
   the smallest ``(regret, global index)``; each rank cuts its members to its ``excess`` smallest and

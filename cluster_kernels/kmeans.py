@@ -36,7 +36,7 @@ from cluster_kernels._checks import (  # noqa: F401 - METRICS stays importable f
     working_frame,
 )
 from cluster_kernels._selfcheck import kmeans_backend
-from cluster_kernels.kmeans_reference import _prepare, _sqdist_ref, assign_ref, capacity_kmeans_ref
+from cluster_kernels.kmeans_reference import assign_ref, capacity_kmeans_ref, prepare_rows, sqdist_ref
 
 
 @dataclass
@@ -284,7 +284,7 @@ def capacity_kmeans(
             choice, x, ts.cpu() if choice == "cpu" else ts, k, lo, hi, spherical=spherical, n_init=int(n_init),
             max_iter=int(max_iter), tol=float(tol), seed=int(seed), init=init_t, scale=scale,
         )
-    xp, mean = _prepare(ts, spherical)
+    xp, mean = prepare_rows(ts, spherical)
     if init_t is not None:
         init_t = init_t - mean
     labels, cent, history, n_iter, converged = capacity_kmeans_ref(
@@ -367,12 +367,12 @@ def assign_with_capacity(
     if choice != "torch":
         return _native_assign(choice, x, ts.cpu() if choice == "cpu" else ts, c, k, lo, hi, spherical, scale)
     if spherical:
-        xp, _ = _prepare(ts, True)
+        xp, _ = prepare_rows(ts, True)
         cp = c / c.norm(dim=1, keepdim=True).clamp_min(1e-30)
     else:
-        xp, mean = _prepare(ts, False)
+        xp, mean = prepare_rows(ts, False)
         cp = c - mean
-    labels, _, _ = assign_ref(_sqdist_ref(xp, cp), lo, hi)
+    labels, _, _ = assign_ref(sqdist_ref(xp, cp), lo, hi)
     own = (xp - cp[labels]).pow(2).sum(1)
     own = own / 2.0 if spherical else scale.up_sq(own)
     return _to_output(x, labels), _to_output(x, own.to(t.dtype))

@@ -72,10 +72,10 @@ share (parameters, state, result; the auction objects; the certificate's exact p
 ==============================  ====================================================  ==========================
 reference function              csrc/cpu                                              csrc/cuda
 ==============================  ====================================================  ==========================
-``_prepare``                    prepare.cpp (rows centred per tile, never copied)     prepare.cu
-``_sqdist_ref``                 distance_tiles.cpp                                    distance_tiles.cu
+``prepare_rows``                prepare.cpp (rows centred per tile, never copied)     prepare.cu
+``sqdist_ref``                  distance_tiles.cpp                                    distance_tiles.cu
 ``kmeans_plusplus``             kmeans_plusplus.cpp                                   kmeans_plusplus.cu
-``_update_centroids_ref``       centroids.cpp                                         centroids.cu
+``update_centroids_ref``        centroids.cpp                                         centroids.cu
 ``capacity_kmeans_ref``         lloyd.cpp                                             lloyd.cu
 ``assign_ref``                  auction.cpp                                           auction.cu
 ``_eps_schedule``               auction_steps.cpp (eps_schedule)                      auction_steps.cu
@@ -436,7 +436,8 @@ def _dummy_auction_ref(
     return ocl[obj], prices, rounds
 
 
-def _sqdist_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def sqdist_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Squared distances ``|x_i|^2 - 2 x_i.c_j + |c_j|^2`` (clamped at 0) of rows to centroids, ``(n, k)``."""
     d = (x * x).sum(1)[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None, :]
     return d.clamp_min_(0.0)
 
@@ -497,8 +498,8 @@ def kmeans_plusplus(x: torch.Tensor, k: int, rng: SplitMix64) -> torch.Tensor:
     return x[torch.as_tensor(centers, device=x.device)].clone()
 
 
-def _update_centroids_ref(x: torch.Tensor, labels: torch.Tensor, k: int, old: torch.Tensor, dists: torch.Tensor,
-                          spherical: bool) -> torch.Tensor:
+def update_centroids_ref(x: torch.Tensor, labels: torch.Tensor, k: int, old: torch.Tensor, dists: torch.Tensor,
+                         spherical: bool) -> torch.Tensor:
     counts = torch.bincount(labels, minlength=k)
     sums = torch.zeros(k, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, labels, x)
     cent = sums / counts.clamp_min(1)[:, None].to(x.dtype)
@@ -543,7 +544,7 @@ def capacity_kmeans_ref(
         state, labels, history, converged = None, None, [], False
         n_iter = 0
         for n_iter in range(1, max_iter + 1):  # noqa: B007 - n_iter is reported after the loop
-            d = _sqdist_ref(x, cent)
+            d = sqdist_ref(x, cent)
             new_labels, state, _ = assign_ref(d, lo, hi, state)
             cost = float(d.gather(1, new_labels[:, None]).sum())
             if labels is not None:
@@ -555,18 +556,18 @@ def capacity_kmeans_ref(
             labels = new_labels
             history.append(cost)
             own = d.gather(1, labels[:, None])[:, 0]
-            cent = _update_centroids_ref(x, labels, k, cent, own, spherical)
+            cent = update_centroids_ref(x, labels, k, cent, own, spherical)
             if same or improved <= tol * abs(history[-2] if len(history) > 1 else cost):
                 converged = True
                 break
-        final = _sqdist_ref(x, cent).gather(1, labels[:, None]).sum().item()
+        final = sqdist_ref(x, cent).gather(1, labels[:, None]).sum().item()
         if best is None or final < best[0]:
             best = (final, labels, cent, history, n_iter, converged)
     _, labels, cent, history, n_iter, converged = best
     return labels, cent, history, n_iter, converged
 
 
-def _prepare(t: torch.Tensor, spherical: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_rows(t: torch.Tensor, spherical: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Centre (or L2-normalise) rows in float64; returns prepared data and the mean (zero if spherical)."""
     x64 = t.to(torch.float64)
     if spherical:

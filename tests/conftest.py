@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # pytest puts tests/ on sys.path for this file; tests/clusterlm (a folder of tests, no __init__.py) would then be
 # found as a namespace package `clusterlm` before the installed one, whose __init__ would never run. Import the real
 # package first, with the test folders out of the path, so every test sees clusterlm as users do.
@@ -21,9 +24,6 @@ try:
     import clusterlm  # noqa: E402, F401
 finally:
     sys.path[:] = _saved_path
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # CI explores a fixed set of hypothesis examples (reproducible runs); local runs stay random so they
 # keep finding new cases.

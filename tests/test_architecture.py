@@ -478,7 +478,8 @@ def unmirrored_files(root: Path = CSRC) -> list[str]:
     """Files of cpu/ without a file of the same stem in cuda/ (and back) whose first line does not say why."""
     stems = {side: {p.stem for p in (root / side).glob("*") if p.suffix in CPP_SUFFIXES} for side in ("cpu", "cuda")}
     bad = []
-    for side, other, reason in (("cpu", "cuda", "// No CUDA counterpart: "), ("cuda", "cpu", "// No CPU counterpart: ")):
+    sides = (("cpu", "cuda", "// No CUDA counterpart: "), ("cuda", "cpu", "// No CPU counterpart: "))
+    for side, other, reason in sides:
         for p in sorted((root / side).glob("*")):
             if p.suffix in CPP_SUFFIXES and p.stem not in stems[other] and not p.read_text().startswith(reason):
                 bad.append(f"{side}/{p.name}: no {other}/{p.stem}.* and no first line '{reason}<why>'")
@@ -511,3 +512,68 @@ def test_the_cpp_size_rules_see_planted_violations(tmp_path):
     assert [line.split(":")[0] for line in long_cpp_files(root=tmp_path)] == ["cpu/big.h"]
     assert cpp_functions(side / "short.cpp") == [("int f() const", 2, 1), ("int g()", 4, 3)]
     assert sorted(line.split(":")[0] for line in unmirrored_files(tmp_path)) == ["cpu/long.cpp", "cpu/short.cpp"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Size and settings rules (issue 35): modules of one job, settings as typed configs
+# ---------------------------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 600
+NAMESPACE_ALLOWED = {"clusterlm.cli"}  # the one module that may hold argparse namespaces (report / export / demo)
+
+
+def long_modules(modules: dict[str, Path], limit: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:
+    """(module, lines) of every module longer than ``limit`` lines."""
+    out = []
+    for name, path in modules.items():
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            out.append((name, n))
+    return out
+
+
+def namespace_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of every ``argparse.Namespace`` (attribute, import or annotation) and every ``args: Any``
+    parameter in a file: settings travel as typed configs outside cli.py."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "Namespace":
+            found.append((node.lineno, "argparse.Namespace"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            found += [(node.lineno, "from argparse import Namespace") for a in node.names if a.name == "Namespace"]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # (``*args: Any`` is a vararg, not args)
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "args" and (text in ("Any", "typing.Any") or "Namespace" in text):
+                    found.append((arg.lineno, f"args: {text}"))
+    return found
+
+
+def test_no_module_is_longer_than_600_lines():
+    assert long_modules(MODULES) == [], "split these modules along their seams (docs/architecture.md)"
+
+
+def test_the_size_rule_catches_a_planted_long_module(tmp_path):
+    planted = tmp_path / "long.py"
+    planted.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules({"clusterlm.planted": planted}) == [("clusterlm.planted", MAX_MODULE_LINES + 1)]
+    planted.write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert long_modules({"clusterlm.planted": planted}) == []
+
+
+def test_no_argparse_namespace_outside_cli():
+    bad = {m: namespace_uses(p) for m, p in MODULES.items() if m not in NAMESPACE_ALLOWED}
+    assert {m: uses for m, uses in bad.items() if uses} == {}, "pass a typed config (TrainConfig, CompareConfig)"
+
+
+def test_the_namespace_rule_catches_planted_violations(tmp_path):
+    planted = tmp_path / "bad.py"
+    planted.write_text("import argparse\nfrom typing import Any\n\n\ndef f(args: Any) -> None:\n    pass\n\n\n"
+                       "def g(x: argparse.Namespace) -> None:\n    pass\n\n\nfrom argparse import Namespace\n")
+    assert sorted(w for _, w in namespace_uses(planted)) == ["argparse.Namespace", "args: Any",
+                                                             "from argparse import Namespace"]
+    planted.write_text("def f(config: 'TrainConfig', args: list[str], *args2: Any) -> None:\n    pass\n\n\n"
+                       "def g(*args: Any) -> None:\n    pass\n")
+    assert namespace_uses(planted) == []

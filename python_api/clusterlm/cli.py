@@ -26,9 +26,11 @@ from clusterlm.compare_run import compare
 from clusterlm.config import SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES
 from clusterlm.export import export_files
-from clusterlm.launch import SpawnFailed, check_config_file, report_failure, reported_by_launcher, under_torchrun
+from clusterlm.failures import report_failure, reported_by_launcher, tee_stderr
+from clusterlm.launch import SpawnFailed, check_config_file, under_torchrun
 from clusterlm.options import ConfigArgumentParser, parse_config
 from clusterlm.pipeline import SelectJob, run_select
+from clusterlm.preemption import PREEMPTED_EXIT, Preempted
 from clusterlm.readers import fraction_arg, non_negative_int_arg, positive_int_arg
 from clusterlm.report import show_report
 from clusterlm.run_demo import DEMO_OUT, run_demo
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("CLUSTERLM_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    if under_torchrun():
+        tee_stderr()  # a rank: keep its stderr next to its error file, for the launcher's report if it dies
     name = argv[0] if argv else ""
     command = f"clusterlm {name}"
     if name in CONFIG_COMMANDS:
@@ -266,6 +270,10 @@ def _run(command: str, call: Callable[[], int], debug: bool) -> int:
         return call()
     except SpawnFailed as e:
         return e.code
+    except Preempted as e:  # checkpointed on SIGTERM / SIGUSR1: one line on how to resume, a distinct status
+        if not under_torchrun() or (not reported_by_launcher() and os.environ.get("RANK") == "0"):
+            print(f"{command}: {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
     except KeyboardInterrupt:
         if not under_torchrun():
             print(f"{command}: interrupted", file=sys.stderr, flush=True)

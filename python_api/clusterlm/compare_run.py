@@ -322,7 +322,7 @@ class _Session:
         device = resolve_device(config.train.device)
         use_cuda = device.type == "cuda"
         if not use_cuda:
-            torch.set_num_threads(max(1, config.train.threads * config.world_size))
+            torch.set_num_threads(max(1, (config.train.threads or 1) * config.world_size))
         # the selection model (features, S2L's and LESS's proxies), straight onto its device in --dtype
         t0 = time.perf_counter()
         model, tokenizer, model_id = load_model(config.model, device=device, dtype=config.dtype)
@@ -376,7 +376,7 @@ class _Session:
 
     def _timed_select(self, method: str, seed: int, store: Path | None = None) -> tuple[Any, float]:
         if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
-            torch.set_num_threads(max(1, self.config.train.threads * self.config.world_size))
+            torch.set_num_threads(max(1, (self.config.train.threads or 1) * self.config.world_size))
         else:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

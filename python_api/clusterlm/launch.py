@@ -35,59 +35,49 @@ without a group.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from clusterlm._io import atomic_write_text
 from clusterlm.configio import checksum
+from clusterlm.failures import first_failure
+from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env_pid, restart_count, under_torchrun
 
-__all__ = [
-    "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
-    "all_gather_floats", "all_gather_objects", "barrier", "check_config_file", "exit_with_supervisor",
-    "first_failure", "in_process_group", "init_distributed", "is_main", "pid_alive", "report_failure",
-    "reported_by_launcher", "run_agent", "spawn", "spawn_with_config", "stamp_failure", "strip_options",
-    "torchrun_command", "under_torchrun",
-]
+__all__ = ["AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo",
+    "SpawnFailed", "all_gather_floats", "all_gather_objects", "barrier", "check_config_file", "exit_with_supervisor",
+    "in_process_group", "init_distributed", "is_main", "pid_alive", "run_agent", "spawn", "spawn_with_config",
+    "strip_options", "torchrun_command", "under_torchrun"]
 
-# What torchrun sets in every rank's environment (the rendezvous address included).
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # The -m entry points of the two multi-process commands.
 PACKAGE_ENTRY = "clusterlm"  # `python -m clusterlm <command>` on every rank (the package entry: no runpy warning)
 # sha256 of the config file a launcher wrote for its ranks (clusterlm <command> --config FILE): checked by each rank
 CONFIG_SHA_ENV = "CLUSTERLM_CONFIG_SHA256"
-# Set by spawn for what it starts: the pid of the launching process; and by the agent: its own pid.
-LAUNCHER_PID_ENV = "CLUSTERLM_LAUNCHER_PID"
-AGENT_PID_ENV = "CLUSTERLM_AGENT_PID"
+# The signals torchrun's agent handles and passes on to the ranks (they checkpoint on SIGTERM and SIGUSR1).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # How often a rank looks whether its supervisor is still there (seconds).
 WATCH_INTERVAL = 0.2
 # The agent: torch's launcher in this process (see run_agent); its arguments are torchrun's.
 _AGENT_CODE = "import sys; from clusterlm.launch import run_agent; sys.exit(run_agent(sys.argv[1:]))"
 _PR_SET_PDEATHSIG = 1
-_FAILED_AT = "clusterlm_failed_ns"  # attribute of an exception: when it happened (stamp_failure)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Launching
 # ---------------------------------------------------------------------------------------------------
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun (``torch.distributed.run``) started: all of :data:`TORCHRUN_ENV` set."""
-    return all(k in os.environ for k in TORCHRUN_ENV)
 
 
 def torchrun_command(
@@ -98,6 +88,8 @@ def torchrun_command(
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "clusterlm",
+    max_restarts: int = 0,
+    shutdown_timeout: float | None = None,
 ) -> list[str]:
     """The ``python -m torch.distributed.run ... -m MODULE ARGV`` command line.
 
@@ -108,11 +100,19 @@ def torchrun_command(
         nnodes: nodes; > 1 needs ``rdzv_endpoint`` (c10d rendezvous), 1 runs ``--standalone``.
         rdzv_endpoint: ``host:port`` of the rendezvous.
         rdzv_id: run id shared by the nodes.
+        max_restarts: restarts of every rank after a failure (torchrun's ``--max-restarts``: its elastic agent).
+        shutdown_timeout: seconds the ranks get to finish after SIGTERM / SIGUSR1 before SIGKILL (torchrun's
+            ``--shutdown-timeout``; the preemption grace); None: torchrun's default.
 
     Raises:
         ValueError: ``nnodes > 1`` without an endpoint.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(int(nproc))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(int(nproc)),
+           "--signals-to-handle", FORWARDED_SIGNALS]  # SIGUSR1 too: SLURM's ahead-of-time preemption notice
+    if max_restarts:
+        cmd += ["--max-restarts", str(int(max_restarts))]
+    if shutdown_timeout is not None:
+        cmd += ["--shutdown-timeout", str(int(math.ceil(shutdown_timeout)))]
     if nnodes > 1:
         if not rdzv_endpoint:
             raise ValueError(
@@ -149,6 +149,8 @@ def spawn(
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "clusterlm",
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+    shutdown_timeout: float | None = None,
 ) -> int:
     """Run ``python -m MODULE ARGV`` on ``nproc`` processes of this node (and ``nnodes`` nodes); the exit status.
 
@@ -156,12 +158,14 @@ def spawn(
     run by the agent (:func:`run_agent`), which dies with this process and reduces a failed run to the first
     failing rank's line; one process is a plain child process (it exits when this one dies,
     :func:`exit_with_supervisor`). ``OMP_NUM_THREADS`` defaults to 1 (torch's launcher would set it with a
-    warning; the ranks set torch's thread count themselves).
+    warning; the ranks set torch's thread count themselves). SIGTERM and SIGUSR1 to this process are passed on
+    to the agent (which passes them to the ranks: they checkpoint and exit) instead of ending this process first.
 
     Args:
         module: ``clusterlm`` (the package entry) with the command (``train``, ``select``) first in argv.
         argv: the module's arguments.
-        nproc / nnodes / rdzv_endpoint / rdzv_id: see :func:`torchrun_command`.
+        nproc / nnodes / rdzv_endpoint / rdzv_id / max_restarts / shutdown_timeout: see :func:`torchrun_command`
+            (restarts need torch's launcher, so ``max_restarts`` > 0 uses it for one process too).
         env: extra environment variables for the processes.
 
     Returns:
@@ -176,13 +180,14 @@ def spawn(
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env[LAUNCHER_PID_ENV] = str(os.getpid())
     full_env.pop(AGENT_PID_ENV, None)
-    if nproc == 1 and nnodes == 1:
+    if nproc == 1 and nnodes == 1 and not max_restarts:
         cmd = [sys.executable, "-m", module, *argv]
     else:
         torchrun = torchrun_command(argv, nproc, module=module, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                                    rdzv_id=rdzv_id)
+                                    rdzv_id=rdzv_id, max_restarts=max_restarts, shutdown_timeout=shutdown_timeout)
         cmd = [sys.executable, "-c", _AGENT_CODE, *torchrun[3:]]  # torchrun[:3]: python -m torch.distributed.run
     proc = subprocess.Popen(cmd, env=full_env)
+    restore = _forward_signals(proc)
     try:
         rc = proc.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group): let it stop its ranks
@@ -191,7 +196,29 @@ def spawn(
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             proc.kill()
             rc = proc.wait()
+    finally:
+        restore()
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
+
+
+def _forward_signals(proc: subprocess.Popen) -> Callable[[], None]:
+    """Pass SIGTERM and SIGUSR1 on to ``proc`` while it runs (main thread only); returns what restores the
+    previous handlers. A preempted job's signal then reaches the ranks through their agent, which gives them the
+    preemption grace, rather than ending this process and leaving them to notice it is gone."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum: int, frame: Any) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    saved = {sig: signal.signal(sig, forward) for sig in _PREEMPTION_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 class SpawnFailed(RuntimeError):
@@ -213,6 +240,8 @@ def spawn_with_config(
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "clusterlm",
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+    shutdown_timeout: float | None = None,
 ) -> None:
     """Run ``clusterlm COMMAND --config CONFIG_PATH`` on ``nproc`` processes (:func:`spawn`); every rank reads its
     settings from that file after checking its sha256 (:func:`check_config_file`), never from a rebuilt command line.
@@ -221,7 +250,8 @@ def spawn_with_config(
         SpawnFailed: a rank failed (its line is printed already); ``.code`` is the exit status.
     """
     rc = spawn(PACKAGE_ENTRY, [command, "--config", str(config_path)], nproc, nnodes=nnodes,
-               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, env={**(env or {}), CONFIG_SHA_ENV: sha256})
+               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, env={**(env or {}), CONFIG_SHA_ENV: sha256},
+               max_restarts=max_restarts, shutdown_timeout=shutdown_timeout)
     if rc != 0:
         raise SpawnFailed(rc, f"clusterlm {command}")
 
@@ -261,13 +291,6 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc (macOS): kill(pid, 0) is all there is
 
 
-def _env_pid(name: str) -> int | None:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return None
-
-
 _watching: set[str] = set()
 
 
@@ -294,10 +317,10 @@ def exit_with_supervisor() -> bool:
     launching process (``CLUSTERLM_LAUNCHER_PID``), and that launching process itself; a process started
     otherwise (a shell's ``python -m clusterlm.train``, a ``nohup`` run) is left alone. Idempotent.
     """
-    launcher = _env_pid(LAUNCHER_PID_ENV)
+    launcher = env_pid(LAUNCHER_PID_ENV)
     if not under_torchrun() and launcher is None:
         return False
-    parent = _env_pid(AGENT_PID_ENV) if under_torchrun() and _env_pid(AGENT_PID_ENV) else os.getppid()
+    parent = env_pid(AGENT_PID_ENV) if under_torchrun() and env_pid(AGENT_PID_ENV) else os.getppid()
 
     def gone() -> bool:
         return os.getppid() != parent or (launcher is not None and not pid_alive(launcher))
@@ -332,6 +355,39 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _report_restarts() -> None:
+    """Make torch's elastic agent (in this process) say why it restarts the ranks, and not wait on stopped ones.
+
+    Its monitor step is wrapped: when it finds failed ranks, every rank gets SIGCONT (a stopped rank then takes the
+    SIGTERM the agent sends next instead of holding the run until the shutdown timeout's SIGKILL), and, when a
+    restart follows (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._monitor_workers, "_clusterlm", False):
+        return
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(self: Any, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        if result.is_failed():
+            pcontext = getattr(self, "_pcontext", None)
+            for pid in (pcontext.pids().values() if pcontext is not None else ()):
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except OSError:
+                    pass
+            remaining, total = self._remaining_restarts, worker_group.spec.max_restarts
+            if remaining > 0 and result.failures:
+                line, _ = first_failure(result.failures)
+                print(f"{line}; restarting every rank from the latest checkpoint (restart {total - remaining + 1} "
+                      f"of {total})", file=sys.stderr, flush=True)
+        return result
+
+    monitored._clusterlm = True  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+
+
 def run_agent(argv: Sequence[str]) -> int:
     """torch's launcher (``python -m torch.distributed.run ARGV``) in this process, as :func:`spawn` runs it.
 
@@ -341,7 +397,7 @@ def run_agent(argv: Sequence[str]) -> int:
     Returns:
         The exit status: 0, the first failure's status, or 128 + N when signal N stopped the run.
     """
-    launcher = _env_pid(LAUNCHER_PID_ENV)
+    launcher = env_pid(LAUNCHER_PID_ENV)
     if launcher is not None:
         _die_with_launcher(launcher)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
@@ -357,6 +413,7 @@ def run_agent(argv: Sequence[str]) -> int:
         else:
             os.environ["LOGLEVEL"] = saved
     _quiet_torchrun()
+    _report_restarts()
     try:
         run(parse_args(list(argv)))
     except ChildFailedError as e:
@@ -366,114 +423,6 @@ def run_agent(argv: Sequence[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
-
-
-def first_failure(failures: Mapping[int, Any]) -> tuple[str, int]:
-    """The line and exit status that report a failed run: those of the rank that failed first.
-
-    Args:
-        failures: global rank -> torch's ``ProcessFailure`` (``exitcode``, ``pid``, ``error_file_data``).
-
-    Ranks that reported themselves (:func:`report_failure`) are ordered by the nanosecond time of their report;
-    without any report the earliest failure is described by its exit status or signal.
-    """
-    reported = []
-    for rank, f in failures.items():
-        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-        mine = data.get("clusterlm")
-        if isinstance(mine, dict) and "line" in mine:
-            reported.append((int(mine.get("time_ns", 0)), rank, mine))
-    if reported:
-        _, _, mine = min(reported, key=lambda r: r[:2])
-        return str(mine["line"]), int(mine.get("exit_code", 1))
-    rank, f = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    if f.exitcode < 0:
-        how = f"was killed by signal {-f.exitcode} ({f.signal_name()})"
-    else:
-        how = f"exited with status {f.exitcode} (its output is above)"
-    return f"clusterlm: rank {rank} (pid {f.pid}) {how}", 1
-
-
-# ---------------------------------------------------------------------------------------------------
-# Failures: one line per run
-# ---------------------------------------------------------------------------------------------------
-
-
-def reported_by_launcher() -> bool:
-    """True in a rank whose failures :func:`run_agent` reports (it prints nothing itself)."""
-    return under_torchrun() and _env_pid(AGENT_PID_ENV) is not None
-
-
-def stamp_failure(exc: BaseException) -> None:
-    """Note on ``exc`` when it happened (the first stamp stays), for :func:`report_failure`.
-
-    A rank stamps its failure before it takes its process group down: the other ranks then fail on the lost
-    peer, later, and the agent reports the rank that failed first.
-    """
-    if getattr(exc, _FAILED_AT, None) is None:
-        try:
-            setattr(exc, _FAILED_AT, time.time_ns())
-        except (AttributeError, TypeError):  # pragma: no cover - exceptions with __slots__
-            pass
-
-
-def _record_failure(line: str, code: int, exc: BaseException | None, keep_traceback: bool) -> bool:
-    """Write the rank's failure into torchrun's error file (with the traceback of a crash); True when written."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return False
-    stack = "".join(traceback.format_exception(exc)) if exc is not None else ""
-    if keep_traceback and stack:  # a crash: its traceback in a file of its own, named on the line
-        tb_path = os.path.join(os.path.dirname(error_file), "traceback.txt")
-        try:
-            with open(tb_path, "w", encoding="utf-8") as f:
-                f.write(stack)
-            line = f"{line} (traceback: {tb_path})"
-        except OSError:
-            pass
-    when = getattr(exc, _FAILED_AT, None) or time.time_ns()
-    record = {"message": {"message": line, "extraInfo": {"py_callstack": stack, "timestamp": str(when // 10**9)}},
-              "clusterlm": {"line": line, "exit_code": code, "time_ns": when}}
-    try:
-        os.makedirs(os.path.dirname(error_file), exist_ok=True)
-    except OSError:
-        return False
-    # Atomically, and without the call stack when the whole record does not fit (a full disk, a file size limit):
-    # torchrun parses whatever file it finds, and a half-written one crashes its agent.
-    for rec in (record, {**record, "message": {**record["message"], "extraInfo": {"timestamp": str(when // 10**9)}}}):
-        try:
-            atomic_write_text(error_file, json.dumps(rec))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def report_failure(message: str, code: int, exc: BaseException | None = None, *, keep_traceback: bool = False,
-                   prefix: str = "clusterlm") -> int:
-    """Report this process's failure in one line, ``PREFIX: error: MESSAGE``; returns ``code``.
-
-    Alone (no torchrun), the line goes to stderr. In a rank it names the rank (``error (rank 1 of 2)``) and
-    goes to torchrun's error file; it is printed here too unless the agent reports it
-    (:func:`reported_by_launcher`) — under torchrun run by hand by rank 0 only, so that N ranks failing alike
-    print one line.
-
-    Args:
-        message: what went wrong and what to do.
-        code: the exit status (2: a user error, 1: a failure).
-        exc: the exception (when it happened: :func:`stamp_failure`).
-        keep_traceback: a crash: keep its traceback (in a file next to the error file, named on the line).
-        prefix: the command, e.g. ``clusterlm train``.
-    """
-    if not under_torchrun():
-        print(f"{prefix}: error: {message}", file=sys.stderr, flush=True)
-        return code
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    line = f"{prefix}: error (rank {rank} of {world}): {message}"
-    written = _record_failure(line, code, exc, keep_traceback)
-    if not (written and reported_by_launcher()) and (rank == 0 or not written):
-        print(line, file=sys.stderr, flush=True)
-    return code
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -521,7 +470,7 @@ def _use_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def init_distributed(backend: str | None = None, *, device: str = "auto") -> DistInfo:
+def init_distributed(backend: str | None = None, *, device: str = "auto", timeout: float | None = None) -> DistInfo:
     """Join the process group torchrun describes (env://), or run as a single process.
 
     Without ``WORLD_SIZE`` in the environment (or with ``WORLD_SIZE=1``) no group is initialised and rank 0
@@ -532,6 +481,8 @@ def init_distributed(backend: str | None = None, *, device: str = "auto") -> Dis
         backend: "gloo", "nccl", ... (default: nccl on CUDA, else gloo).
         device: "auto" (CUDA when available), "cpu" or "cuda". On CUDA the process's device is set to
             ``LOCAL_RANK``.
+        timeout: seconds a collective may wait for the other ranks before it fails (the process group's
+            timeout; None: torch's default, 30 minutes). A rank that hangs then ends the run in bounded time.
 
     Returns:
         :class:`DistInfo`.
@@ -561,8 +512,25 @@ def init_distributed(backend: str | None = None, *, device: str = "auto") -> Dis
             "torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)."
         )
     backend = backend or ("nccl" if use_cuda else "gloo")
-    dist.init_process_group(backend, init_method="env://", device_id=dev if backend == "nccl" else None)
+    extra: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=float(timeout))}
+    if restart_count():
+        # A restarted worker group (--max-restarts) meets in a key space of its own: under the first attempt's keys
+        # gloo finds the dead ranks' addresses and hangs connecting to them.
+        extra |= {"store": _attempt_store(world), "rank": int(os.environ["RANK"]), "world_size": world}
+    else:
+        extra["init_method"] = "env://"
+    dist.init_process_group(backend, device_id=dev if backend == "nccl" else None, **extra)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), dev)
+
+
+def _attempt_store(world: int) -> Any:
+    """The rendezvous store of this restart attempt: torchrun's store (its agent's, or rank 0's) under a prefix
+    of its own (``clusterlm/attempt_<n>``)."""
+    dist = torch.distributed
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and os.environ["RANK"] == "0")
+    return dist.PrefixStore(f"clusterlm/attempt_{restart_count()}", store)
 
 
 def is_main() -> bool:

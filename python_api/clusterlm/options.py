@@ -103,6 +103,12 @@ class ConfigArgumentParser(HfArgumentParser):
             for key in ("nargs", "const", "metavar"):
                 if key in meta:
                     setattr(action, key, meta[key])
+        dashed = f.name.replace("_", "-")
+        if plain.type in (bool, bool | None) and f"--no-{dashed}" not in self._option_string_actions:
+            # HfArgumentParser adds --no-x only for a default of True; a flag whose default is False (here, or in a
+            # nested config's defaults) keeps its --no-x spelling too
+            group.add_argument(f"--no-{dashed}", action="store_false", dest=f.name, default=argparse.SUPPRESS,
+                               help=f"--{dashed} false")
 
     def parse_into(self, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         """``(values, unknown)``: every field's value (file first, the command line over it) and unknown options.

@@ -41,10 +41,11 @@ from clusterlm.config import ResolvedSelection, SelectConfig
 from clusterlm.configio import check_keys, read_config_file, to_dict, write_config
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
 from clusterlm.distributed import DistributedClustering, featurize_sharded
+from clusterlm.failures import removed_if_empty
 from clusterlm.launch import DistInfo, SpawnFailed, barrier, init_distributed, spawn_with_config, under_torchrun
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
-from clusterlm.readers import max_length_arg, positive_int_arg
+from clusterlm.readers import max_length_arg, non_negative_int_arg, positive_int_arg
 from clusterlm.report import draw_report, save_report_data
 from clusterlm.select import build_featurizer, feature_settings, featurizer_record, select_from_features
 from clusterlm.store import FeatureStore
@@ -76,6 +77,10 @@ class SelectJob:
             it, else float32), float32, bfloat16, float16.
         nproc: selection processes on this machine (torch.distributed.run; sharded features and distributed
             K-means; the plan is the same as with 1).
+        max_restarts: with nproc > 1, restart every process after one fails, up to N times; the restarted run
+            keeps the feature shards already stored and gives the same plan (torchrun's elastic agent).
+        dist_timeout: seconds a collective may wait for the other processes before the run fails (default: torch's
+            30 minutes).
         debug: the ranks of a spawned run print tracebacks too.
     """
 
@@ -90,6 +95,8 @@ class SelectJob:
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     nproc: int = field(default=1, metadata={"parse": positive_int_arg})
+    max_restarts: int = field(default=0, metadata={"parse": non_negative_int_arg})
+    dist_timeout: float | None = None
     debug: bool = field(default=False, metadata={"cli": False})
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,19 +187,25 @@ def run_select(job: SelectJob) -> Plan:
             be told without the data.
         SpawnFailed: the processes of an ``nproc > 1`` run failed (their line is printed already).
     """
-    check_job(job)
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-        return _select(job, init_distributed())
-    if job.nproc > 1:
-        return _spawn(job)
-    return _select(job, None)
+    with removed_if_empty(job.out or ".", _wrote_output):
+        check_job(job)
+        if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+            return _select(job, init_distributed(timeout=job.dist_timeout))
+        if job.nproc > 1:
+            return _spawn(job)
+        return _select(job, None)
+
+
+def _wrote_output(out: Path) -> bool:
+    """A selection's first output: a plan, or a feature shard (kept: a rerun resumes from it)."""
+    return (out / "plan.json").exists() or any((out / "features").glob("shard_*.npy"))
 
 
 def _spawn(job: SelectJob) -> Plan:
     """Start ``job.nproc`` ranks on the job's config file (OUT/select_config.yaml); the plan rank 0 wrote."""
     env = {"CLUSTERLM_DEBUG": "1"} if job.debug else None  # the ranks show tracebacks too
     path = Path(job.out) / SELECT_CONFIG
-    spawn_with_config("select", path, job.save(path), job.nproc, env=env)
+    spawn_with_config("select", path, job.save(path), job.nproc, env=env, max_restarts=job.max_restarts)
     return Plan.load(job.out)
 
 

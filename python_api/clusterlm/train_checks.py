@@ -67,7 +67,7 @@ def setup_distributed(config: TrainConfig) -> DistInfo:
             )
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train: --device cuda but torch sees no CUDA device; use --device cpu or auto.")
-    di = init_distributed(device=config.device)
+    di = init_distributed(device=config.device, timeout=config.dist_timeout)
     use_cuda = di.device.type == "cuda"
     if not use_cuda:
         torch.set_num_threads(config.threads or 1)

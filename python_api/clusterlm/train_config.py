@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from clusterlm.configio import from_dict, read_config_file, to_dict, write_config
+from clusterlm.engine import LATEST  # --resume without a value: OUT's newest checkpoint
 from clusterlm.readers import non_negative_int_arg, positive_int_arg, string_list_arg
 
 __all__ = ["LATEST", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
 
-LATEST = "latest"  # --resume without a value: OUT's newest checkpoint
 TRAIN_CONFIG = "train_config.yaml"  # the resolved config, next to the run's outputs
 REPORT_TO = ("none", "tensorboard", "wandb")
 # Half the relative spacing of representable values: smaller relative updates round to no change.
@@ -37,10 +37,11 @@ _RANGES = (
     ("weight_decay", 0.0, math.inf, True, False, "decoupled weight decay"),
     ("max_grad_norm", 0.0, math.inf, True, False, "gradient clipping, 0 turns it off"),
     ("lora_dropout", 0.0, 1.0, True, False, "dropout of the LoRA inputs"),
+    ("preemption_grace", 0.0, math.inf, True, False, "seconds to checkpoint after a preemption signal"),
 )
-_INTS = {"nnodes": 1, "epochs": 1, "max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "warmup_steps": 0,
-         "seed": 0, "lora_r": 0, "eval_every": 0, "eval_batch_size": 1, "eval_max_examples": 1, "save_every": 0,
-         "keep_checkpoints": 1, "log_every": 1, "nproc": 1, "threads": 1}
+_INTS = {"max_restarts": 0, "nnodes": 1, "epochs": 1, "max_steps": 1, "micro_batch_size": 1, "grad_accum": 1,
+         "warmup_steps": 0, "seed": 0, "lora_r": 0, "eval_every": 0, "eval_batch_size": 1, "eval_max_examples": 1,
+         "save_every": 0, "keep_checkpoints": 1, "log_every": 1, "nproc": 1, "threads": 1}
 
 
 def _opt(group: str, default: Any = None, **meta: Any) -> Any:
@@ -73,6 +74,12 @@ class TrainConfig:
         rdzv_id: rendezvous id shared by the nodes of one run.
         device: auto (CUDA when present), cpu or cuda.
         threads: torch CPU threads per rank (default 1 on CPU: deterministic and no oversubscription).
+        max_restarts: after a rank fails, restart every rank up to N times, each continuing from the latest
+            complete checkpoint (torchrun's elastic agent; set save_every so that there is one).
+        dist_timeout: seconds a collective may wait for the other ranks; then the run fails, naming the rank that is
+            behind and the operation (default: torch's 30 minutes).
+        preemption_grace: seconds the ranks get after SIGTERM or SIGUSR1 to finish the step and checkpoint it
+            before they are killed (a second signal ends them at once).
         epochs: passes over each rank's plan list.
         max_steps: optimizer steps (overrides epochs).
         micro_batch_size: examples per rank and forward pass.
@@ -130,6 +137,9 @@ class TrainConfig:
     rdzv_id: str = _opt(_PROC, "clusterlm")
     device: Literal["auto", "cpu", "cuda"] = _opt(_PROC, "auto")
     threads: int | None = _int(_PROC, None, 1)
+    max_restarts: int = _int(_PROC, 0, 0)
+    dist_timeout: float | None = _opt(_PROC)
+    preemption_grace: float = _opt(_PROC, 60.0)
     epochs: int = _int(_SCHED, 1, 1)
     max_steps: int | None = _int(_SCHED, None, 1)
     micro_batch_size: int = _int(_SCHED, 4, 1)
@@ -230,6 +240,10 @@ class TrainConfig:
                           f"{'<=' if high_ok else '<'} {high:g}"]
                 raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be "
                                  f"{' and '.join(bounds)} ({what}).")
+        if self.dist_timeout is not None and not (isinstance(self.dist_timeout, (int, float))
+                                                  and math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise ValueError(f"train: --dist-timeout {self.dist_timeout!r} is out of range: it must be > 0 seconds "
+                             "(or unset: torch's default of 30 minutes).")
         self._check_lora()
         bad = [r for r in self.report_to if r not in REPORT_TO]
         if bad or ("none" in self.report_to and len(self.report_to) > 1):
@@ -256,7 +270,7 @@ class TrainConfig:
                 raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be an int "
                                  f">= {low}.")
         for name in ("lr", "warmup_ratio", "min_lr_ratio", "beta1", "beta2", "weight_decay", "max_grad_norm",
-                     "lora_dropout"):
+                     "lora_dropout", "preemption_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"train: {name} must be a number, got {value!r}.")

@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,16 +126,20 @@ from typing import Any
 import torch
 
 from clusterlm.baselines import baseline_plan, is_baseline_spec
+from clusterlm.failures import removed_if_empty
 from clusterlm.fsdp import CPU_ALLOCATOR_ENV
 from clusterlm.launch import SpawnFailed, spawn_with_config, under_torchrun
 from clusterlm.metrics import CURVE, METRICS, SUMMARY
 from clusterlm.plan import Plan
+from clusterlm.preemption import read_preempted
 from clusterlm.reporting import check_report_to
 from clusterlm.train_checks import check_fsdp, check_inputs, check_unlocked, plan_world_size, world_size_error
 from clusterlm.train_config import TRAIN_CONFIG, TrainConfig
 from clusterlm.train_loop import train_rank
 
-__all__ = ["SpawnFailed", "TrainResult", "train"]
+__all__ = ["SHUTDOWN_MARGIN_S", "SpawnFailed", "TrainResult", "train"]
+
+SHUTDOWN_MARGIN_S = 10.0  # seconds the agent waits beyond the preemption grace before it kills the ranks
 
 
 @dataclass(frozen=True)
@@ -212,16 +217,23 @@ def train(config: TrainConfig, plan: Plan | None = None) -> TrainResult:
         ImportError: report_to names a package that is not installed.
         LockedError: another live run holds ``out``.
         SpawnFailed: a rank of a launched run failed (its message is printed already); ``.code`` is the status.
+        Preempted: SIGTERM or SIGUSR1 stopped the run after a checkpoint (:mod:`clusterlm.preemption`).
     """
-    if plan is not None:
-        config = _with_plan(config, plan)
-    config.check()
-    check_report_to(config.report_to)
+    with removed_if_empty(config.out or ".", lambda out: (out / METRICS).exists()):
+        if plan is not None:
+            config = _with_plan(config, plan)
+        config.check()
+        check_report_to(config.report_to)
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> TrainResult:
     build_plan = baseline_plan if is_baseline_spec(config.plan) else None
     nproc, nnodes = config.nproc or 1, config.nnodes
-    if under_torchrun() or (nproc == 1 and nnodes == 1):
+    if not under_torchrun():  # --fsdp on one process: refused before the plan or any model (the ranks check again)
+        check_fsdp(config, nproc * nnodes)
+    if under_torchrun() or (nproc == 1 and nnodes == 1 and not config.max_restarts):
         return TrainResult.read(config.out, train_rank(config, build_plan=build_plan))
-    check_fsdp(config, nproc * nnodes)
     check_inputs(config, plan_dir=build_plan is None)  # the ranks check again; this fails before any starts
     if nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
         check_unlocked(config.out)
@@ -232,8 +244,16 @@ def train(config: TrainConfig, plan: Plan | None = None) -> TrainResult:
     env = dict(CPU_ALLOCATOR_ENV) if config.fsdp and on_cpu else None
     path = Path(config.out) / TRAIN_CONFIG
     sha = config.save(path)
-    spawn_with_config("train", path, sha, nproc, nnodes=nnodes, rdzv_endpoint=config.rdzv_endpoint,
-                      rdzv_id=config.rdzv_id, env=env)
+    started = time.time()
+    try:  # the agent gets the grace as its shutdown timeout, and a little more for the ranks to exit
+        spawn_with_config("train", path, sha, nproc, nnodes=nnodes, rdzv_endpoint=config.rdzv_endpoint,
+                          rdzv_id=config.rdzv_id, env=env, max_restarts=config.max_restarts,
+                          shutdown_timeout=config.preemption_grace + SHUTDOWN_MARGIN_S)
+    except SpawnFailed:
+        preempted = read_preempted(config.out, since=started)
+        if preempted is not None:  # the ranks checkpointed and stopped on SIGTERM / SIGUSR1
+            raise preempted from None
+        raise
     return TrainResult.read(config.out)
 
 

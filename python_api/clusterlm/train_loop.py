@@ -32,6 +32,7 @@ from clusterlm.engine import (
     CKPT_DIR,
     CKPT_VERSION,
     EVAL_EXAMPLES,
+    LATEST,
     build_optimizer,
     build_scheduler,
     evaluate,
@@ -45,18 +46,21 @@ from clusterlm.engine import (
     train_step,
     trainable_state,
 )
+from clusterlm.failures import stamp_failure
 from clusterlm.fsdp import save_full_model, shard_model
+from clusterlm.hangs import Progress, is_timeout
 from clusterlm.launch import (
     DistInfo,
     all_gather_objects,
     exit_with_supervisor,
     in_process_group,
-    stamp_failure,
     under_torchrun,
 )
 from clusterlm.metrics import CURVE, METRICS, SUMMARY, MetricsLog, plot_training, step_record, summarize, summary_text
 from clusterlm.models import check_model_id
 from clusterlm.plan import Plan
+from clusterlm.preemption import Preempted, PreemptionWatch, record_preemption
+from clusterlm.procenv import restart_count
 from clusterlm.reporting import Reporters
 from clusterlm.sampler import PlanSampler
 from clusterlm.train_checks import (
@@ -107,6 +111,8 @@ class Run:
     max_length: int
     model_id: str
     setup: dict[str, Any]
+    watch: PreemptionWatch | None = None  # SIGTERM / SIGUSR1: checkpoint this step and stop (clusterlm.preemption)
+    progress: Progress | None = None  # this rank's step and operation, for a hang's message (clusterlm.hangs)
 
     @property
     def per_step(self) -> int:
@@ -146,6 +152,8 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     """
     t_start = time.perf_counter()
     exit_with_supervisor()  # a rank of a launcher that is gone must not train on
+    if restart_count() and config.resume is None:  # torchrun restarted the ranks (--max-restarts): continue
+        config = config.replace(resume=LATEST)
     config.check()
     check_inputs(config, plan_dir=build_plan is None)
     plan_ws = plan_world_size(config.plan) if build_plan is None else None
@@ -158,17 +166,30 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
     had_group = in_process_group()  # a caller's group stays; one made here is destroyed at the end
-    run = state = None
+    run = state = progress = None
+    watch = PreemptionWatch(config.preemption_grace)
+    finished = False
     try:
         di = setup_distributed(config)
+        progress = Progress(Path(config.out), di.rank, di.world_size)
         run = prepare(config, di, build_plan)
+        run.watch, run.progress = watch, progress
         state = start(run)
         loop(run, state)
-        return finish(run, state, time.perf_counter() - t_start)
+        summary = finish(run, state, time.perf_counter() - t_start)
+        finished = True
+        return summary
     except BaseException as e:
+        if progress is not None and is_timeout(e):  # name the rank that is behind, not gloo's "Timed out waiting"
+            hang = RuntimeError(progress.explain(config.dist_timeout))
+            stamp_failure(hang)
+            raise hang from e
         stamp_failure(e)  # before the group goes down and the other ranks fail on the lost peer
         raise
     finally:
+        watch.close()
+        if progress is not None:
+            progress.close(remove=finished and progress.rank == 0)
         # DDP's reducer holds the process group: release it while the group is up, so that the group's
         # destructor does not run after destroy_process_group (gloo can deadlock there joining its workers).
         run = state = None
@@ -273,14 +294,35 @@ def loop(run: Run, state: State) -> None:
             report(run, state, record, bar)
             if run.config.eval_every and state.step % run.config.eval_every == 0 and state.step < run.total_steps:
                 evaluate_now(run, state)
-            if (run.config.save_every and state.step % run.config.save_every == 0) or state.step == run.total_steps:
+            saved = (run.config.save_every and state.step % run.config.save_every == 0) or state.step == run.total_steps
+            if saved:
                 checkpoint(run, state)
             if state.step >= run.total_steps:
                 break
+            if run.watch is not None and preemption_agreed(run, state):
+                if not saved:
+                    checkpoint(run, state)
+                raise preempted(run, state)
         if run.sampler.position >= run.plan.per_rank:
             state.epoch += 1
     if bar is not None:
         bar.close()
+
+
+def preemption_agreed(run: Run, state: State) -> bool:
+    """Whether any rank got SIGTERM / SIGUSR1 (every rank asks after every step: one all-reduce of one number)."""
+    if run.progress is not None:
+        run.progress.mark(state.step, "the preemption check")
+    return run.watch.agreed(run.di.device, run.di.distributed)
+
+
+def preempted(run: Run, state: State) -> Preempted:
+    """The :class:`Preempted` of this step (rank 0 records it in OUT for the launcher, and says it)."""
+    found = find_checkpoint(run.out, LATEST)
+    exc = Preempted(run.out, state.step, None if found is None else str(found), run.watch.signal_name)
+    if run.di.is_main:
+        record_preemption(exc)
+    return exc
 
 
 def steps_of(order: np.ndarray, per_step: int) -> Iterator[np.ndarray]:
@@ -292,6 +334,8 @@ def steps_of(order: np.ndarray, per_step: int) -> Iterator[np.ndarray]:
 def step(run: Run, state: State, idx: np.ndarray) -> dict[str, Any]:
     """One optimizer step on this rank's examples ``idx``; returns (and logs) its metrics record."""
     t0, c0 = time.perf_counter(), time.process_time()
+    if run.progress is not None:
+        run.progress.mark(state.step + 1, "the forward, backward and gradient all-reduce")
     micro = make_micro_batches(run.data, idx, run.plan.weights, run.config.micro_batch_size, run.pad_id, run.di.device)
     stats = train_step(run.model, run.optimizer, run.scheduler, micro, n_step=len(idx),
                        max_grad_norm=run.config.max_grad_norm, autocast_dtype=run.autocast_dtype,
@@ -302,6 +346,8 @@ def step(run: Run, state: State, idx: np.ndarray) -> dict[str, Any]:
     run.sampler.advance(len(idx))
     state.step += 1
     epoch = state.epoch + run.sampler.position / run.plan.per_rank
+    if run.progress is not None:
+        run.progress.mark(state.step, "the all-gather of the step's metrics")
     record = step_record(stats, dt, cpu, run.di, state.step, epoch, state.counters)
     state.log.append(record)
     return record
@@ -321,6 +367,8 @@ def evaluate_now(run: Run, state: State) -> None:
     """Held-out loss at this step (nothing without --eval-data), logged as an ``eval`` record."""
     if run.eval_data is None:
         return
+    if run.progress is not None:
+        run.progress.mark(state.step, "the evaluation")
     t0 = time.perf_counter()
     per_example = torch.zeros(2, len(run.eval_data), dtype=torch.float64, device=run.di.device)
     loss, n_tok = evaluate(run.model, run.eval_data, run.di, batch_size=run.config.eval_batch_size, pad_id=run.pad_id,
@@ -338,6 +386,8 @@ def evaluate_now(run: Run, state: State) -> None:
 def checkpoint(run: Run, state: State) -> None:
     """Every rank's generator states to rank 0; it writes the checkpoint (:func:`~clusterlm.engine.save_checkpoint`).
     With --fsdp every rank writes its shards (:func:`~clusterlm.engine.save_sharded_checkpoint`)."""
+    if run.progress is not None:
+        run.progress.mark(state.step, "the checkpoint")
     rng = all_gather_objects(rng_state(run.di.device), run.di)
     ckpt = None
     if run.di.is_main:

@@ -88,7 +88,9 @@ def test_the_default_featurization_paths_have_no_spilling_config(triton_rows):
 
 def test_cuda_kernels_do_not_spill(cuda_rows):
     assert {r["target"] for r in cuda_rows} == set(ptxas_report.CUDA_ARCHS)
-    assert {r["file"] for r in cuda_rows} == {p.name for p in ptxas_report.cuda_sources()}
+    # every .cu file that defines a kernel has its rows (host-only files, e.g. the auction drivers, have none)
+    with_kernels = {p.name for p in ptxas_report.cuda_sources() if "__global__" in p.read_text(encoding="utf-8")}
+    assert with_kernels and {r["file"] for r in cuda_rows} == with_kernels
     bad = ptxas_report.problems([], cuda_rows)
     assert not bad, "\n".join(bad)
 

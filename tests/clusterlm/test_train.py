@@ -24,7 +24,7 @@ import torch
 from clusterlm import cli, train_launch
 from clusterlm.configio import checksum
 from clusterlm.engine import CKPT_DIR, forward_backward, make_micro_batches
-from clusterlm.launch import PACKAGE_ENTRY, torchrun_command
+from clusterlm.launch import FORWARDED_SIGNALS, PACKAGE_ENTRY, pid_alive, torchrun_command
 from clusterlm.metrics import CURVE, METRICS, SUMMARY
 from clusterlm.options import parse_config
 from clusterlm.train_config import LATEST, TRAIN_CONFIG, TrainConfig
@@ -191,12 +191,19 @@ def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_pa
         assert time.monotonic() < deadline, "no checkpoint after 240 s"
         time.sleep(0.01)
     # The ranks run in sessions of their own (torch's launcher): SIGKILL them by pid, then the launcher.
-    for pid in [*_descendants(proc.pid), proc.pid]:
+    killed = [*_descendants(proc.pid), proc.pid]
+    for pid in killed:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait(timeout=30)
+    # SIGKILL is delivered at once but a process ends a moment later: until then its lock on OUT is live (the
+    # resume below checks the lock in this process before it starts any rank)
+    deadline = time.monotonic() + 30
+    while any(pid_alive(pid) for pid in killed):
+        assert time.monotonic() < deadline, "killed ranks still alive after 30 s"
+        time.sleep(0.05)
     done = _records(out, "train", partial_ok=True)  # SIGKILL may cut the last line
     assert not (out / SUMMARY).exists() and len(done) < STEPS, "the run finished before it could be killed"
 
@@ -422,8 +429,8 @@ def test_config_round_trip_and_torchrun_commands(tmp_path):
     assert TrainConfig(**parse_config(parser, ranks[2:])).lr == 3e-4
 
     cmd = torchrun_command(["train", "--plan", "p"], 4)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone", "-m",
-                       "clusterlm", "train", "--plan", "p"]
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--signals-to-handle",
+                       FORWARDED_SIGNALS, "--standalone", "-m", "clusterlm", "train", "--plan", "p"]
     cmd = torchrun_command([], 8, nnodes=2, rdzv_endpoint="node0:29500", rdzv_id="run1")
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500"
     assert "--standalone" not in cmd and cmd[cmd.index("--rdzv-backend") + 1] == "c10d"

@@ -116,8 +116,9 @@ ARGPARSE = {
     "unknown-command": (["selcet"], "clusterlm", ("selcet",)),
     "missing-required": (["select", "--data", "x.jsonl"], "clusterlm select", ("--model",)),
     "unknown-option": (["report", "runs/x", "--colour"], "clusterlm report", ("--colour",)),
+    # no budget: SelectConfig's check names the budget settings (an option, or a --config file's field)
     "no-budget": (["select", "--model", "m", "--data", "d", "--world-size", "2", "--out", "o"], "clusterlm select",
-                  ("--ratio",)),
+                  ("ratio / budget", "token_ratio / token_budget")),
     "demo-ratio": (["demo", "--ratio", "1.5"], "clusterlm demo", ("--ratio", "1.5")),
     "demo-world-size": (["demo", "--world-size", "0"], "clusterlm demo", ("--world-size", "0")),
 }

@@ -26,7 +26,8 @@ import pytest
 from cli_helpers import nonblank_lines, run_cli
 
 from clusterlm import launch, pipeline, train_launch, train_model
-from clusterlm.launch import first_failure, spawn
+from clusterlm.failures import first_failure
+from clusterlm.launch import spawn
 from clusterlm.metrics import METRICS
 from clusterlm.train_config import TRAIN_CONFIG
 
@@ -193,7 +194,7 @@ def _failure(exitcode: int, timestamp: int, report: dict | None = None) -> Simpl
     """What torch's launcher knows of a failed rank (its ProcessFailure)."""
     return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, pid=100 + timestamp,
                            signal_name=lambda: signal.Signals(-exitcode).name,
-                           error_file_data={"clusterlm": report} if report else {})
+                           error_file="", error_file_data={"clusterlm": report} if report else {})
 
 
 def test_the_first_reported_failure_is_the_one_reported():
@@ -201,7 +202,8 @@ def test_the_first_reported_failure_is_the_one_reported():
     failures = {0: _failure(1, 5, {"line": "rank 0: connection closed by peer", "exit_code": 1, "time_ns": 5_000_002}),
                 1: _failure(2, 5, {"line": "rank 1: bad data", "exit_code": 2, "time_ns": 5_000_001}),
                 2: _failure(-15, 4)}
-    assert first_failure(failures) == ("rank 1: bad data", 2)
+    # the first report, then that the others were stopped after it
+    assert first_failure(failures) == ("rank 1: bad data; the other 2 failed rank(s) were stopped after it", 2)
     line, code = first_failure({0: _failure(-9, 7), 1: _failure(-15, 8)})  # nobody said why: the earliest
     assert code == 1 and line.startswith("clusterlm: rank 0 (pid 107) was killed by signal 9")
 

@@ -59,7 +59,7 @@ from typing import Any
 import datasets
 import torch
 from transformers.utils import logging
-from trl import SFTTrainer
+from trl import SFTConfig, SFTTrainer
 
 from clusterlm.data import SFTDataset, load_data
 from clusterlm.export import as_hf_dataset
@@ -155,7 +155,7 @@ def per_example_token_mean(per_token: torch.Tensor, label_mask: torch.Tensor, n_
     return sums / counts
 
 
-def _refuse_unsupported(args: Any, who: str) -> None:
+def _refuse_unsupported(args: SFTConfig, who: str) -> None:
     if getattr(args, "packing", False):
         raise ValueError(
             f"{who}: packing=True merges several examples into one training row, so a row is no longer one plan "
@@ -260,7 +260,7 @@ class ClusterSFTTrainer(PlanTrainerMixin, SFTTrainer):
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
 
-def sft_examples(model: Any, train_dataset: Any, args: Any = None, processing_class: Any = None,
+def sft_examples(model: Any, train_dataset: Any, args: SFTConfig | None = None, processing_class: Any = None,
                  formatting_func: Any = None) -> SFTDataset:
     """The examples TRL trains on for these arguments, as an :class:`~clusterlm.data.SFTDataset` for selection.
 

@@ -1,0 +1,42 @@
+"""Where a process sits among the launcher's processes, read from its environment (no imports of torch).
+
+torchrun sets :data:`TORCHRUN_ENV` in every rank; :func:`clusterlm.launch.spawn` sets :data:`LAUNCHER_PID_ENV` for
+what it starts, and its agent :data:`AGENT_PID_ENV`. :mod:`clusterlm.launch` (starting processes) and
+:mod:`clusterlm.failures` (reporting them) both read these.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["AGENT_PID_ENV", "LAUNCHER_PID_ENV", "RESTART_ENV", "TORCHRUN_ENV", "env_pid", "restart_count",
+           "under_torchrun"]
+
+# What torchrun sets in every rank's environment (the rendezvous address included).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Set by spawn for what it starts: the pid of the launching process; and by the agent: its own pid.
+LAUNCHER_PID_ENV = "CLUSTERLM_LAUNCHER_PID"
+AGENT_PID_ENV = "CLUSTERLM_AGENT_PID"
+# torchrun's count of restarts of the worker group (0 in the first attempt; --max-restarts)
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (``torch.distributed.run``) started: all of :data:`TORCHRUN_ENV` set."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def env_pid(name: str) -> int | None:
+    """The pid in environment variable ``name``, None when unset or not a number."""
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this worker group (0: the first attempt, or not under torchrun)."""
+    try:
+        return int(os.environ.get(RESTART_ENV, "0"))
+    except ValueError:
+        return 0

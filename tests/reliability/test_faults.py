@@ -1,0 +1,216 @@
+"""Faults of a multi-process run on 2 gloo ranks with the tiny model (issue 37): preemption (SIGTERM, then --resume),
+a killed rank with --max-restarts, a stopped rank with --dist-timeout, the first failure named, select killed and
+restarted, and no litter after a failed start.
+
+One uninterrupted 2-rank run (module fixture) is the reference the interrupted ones must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from clusterlm import cli
+from clusterlm.failures import first_failure
+from clusterlm.preemption import PREEMPTED, PREEMPTED_EXIT
+
+STEPS, SAVE_EVERY = 40, 4
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "clusterlm", *args]
+
+
+def _argv(tiny, out: Path, *extra: str) -> list[str]:
+    return _cli("train", *tiny.argv(out, "--nproc", "2", "--max-steps", str(STEPS), "--micro-batch-size", "1",
+                                    "--lr", "3e-3", "--save-every", str(SAVE_EVERY), "--log-every", "1",
+                                    "--keep-checkpoints", "20", *extra))
+
+
+def _losses(out: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+        try:
+            if max(_losses(out), default=0) >= step:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of training rank ``rank`` under ``launcher`` (its descendants with RANK=rank in their environment)."""
+    todo, seen = [launcher], []
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += _children(pid)
+    for pid in seen:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env):
+            return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(out / "ckpt" / f"step_{STEPS:07d}.pt", map_location="cpu", weights_only=False)
+    return ckpt["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    out = tiny.root / "faults_reference"
+    subprocess.run(_argv(tiny, out), check=True, capture_output=True, text=True, timeout=600)
+    return SimpleNamespace(out=out, losses=_losses(out))
+
+
+def test_sigterm_checkpoints_the_step_and_resume_equals_an_uninterrupted_run(tiny, reference, tmp_path):
+    out = tmp_path / "preempted"
+    proc = subprocess.Popen(_argv(tiny, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(out, 6, proc)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
+    stopped = json.loads((out / PREEMPTED).read_text(encoding="utf-8"))
+    lines = [line for line in err.splitlines() if "preempted" in line]
+    assert len(lines) == 1 and "resume with: clusterlm train --config" in lines[0] and "--resume" in lines[0], err
+    assert Path(stopped["checkpoint"]).is_file() and stopped["step"] < STEPS and time.monotonic() - t0 < 60
+    assert not list(out.rglob("*.tmp*"))  # atomic writes: no partial file
+    resumed = subprocess.run(_cli("train", "--config", str(out / "train_config.yaml"), "--resume"),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses == reference.losses  # the same step losses, before the stop and after the resume
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_with_the_same_final_weights(tiny, reference, tmp_path):
+    out = tmp_path / "restarted"
+    proc = subprocess.Popen(_argv(tiny, out, "--max-restarts", "1", "--dist-timeout", "60", "--preemption-grace", "10"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for_step(out, SAVE_EVERY + 2, proc)
+    victim = _rank_pid(proc.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    restart = [line for line in err.splitlines() if "restarting every rank" in line]
+    assert len(restart) == 1, err[-3000:]
+    assert f"rank 1 (pid {victim}) was killed by signal 9 (SIGKILL) first" in restart[0], restart[0]
+    assert "(restart 1 of 1)" in restart[0]
+    mine, ref = _final_weights(out), _final_weights(reference.out)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert _losses(out) == reference.losses
+
+
+def test_a_stopped_rank_fails_the_run_in_bounded_time_naming_it(tiny, tmp_path):
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(_argv(tiny, out, "--dist-timeout", "20"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_step(out, 3, proc)
+    victim = _rank_pid(proc.pid, 1)
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 40, (proc.returncode, took, err[-2000:])
+    line = [s for s in err.splitlines() if "error" in s][-1]
+    assert "rank 0 waited 20 s in" in line and "rank 1 (pid" in line and "stopped or hung" in line, err[-2000:]
+
+
+class _Failure(SimpleNamespace):
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name
+
+
+def test_the_first_failure_is_the_killed_rank_not_the_survivor_the_launcher_stopped(tmp_path):
+    err_file = tmp_path / "1" / "error.json"
+    err_file.parent.mkdir()
+    (err_file.parent / "stderr.log").write_text("loading\nstep 7: out of memory\n", encoding="utf-8")
+    survivor = {"clusterlm": {"line": "clusterlm train: error (rank 0 of 2): Connection closed by peer",
+                              "exit_code": 1, "time_ns": 5}}
+    failures = {0: _Failure(exitcode=1, pid=10, timestamp=1.0, error_file="", error_file_data=survivor),
+                1: _Failure(exitcode=-9, pid=11, timestamp=2.0, error_file=str(err_file), error_file_data={})}
+    line, code = first_failure(failures)
+    assert line.startswith("clusterlm: rank 1 (pid 11) was killed by signal 9 (SIGKILL) first") and code == 1
+    assert "step 7: out of memory" in line and line.endswith("the other 1 failed rank(s) were stopped after it")
+    stopped = {0: _Failure(exitcode=-15, pid=10, timestamp=1.0, error_file="", error_file_data={}),
+               1: failures[1]}
+    assert first_failure(stopped)[0].startswith("clusterlm: rank 1 (pid 11)")  # SIGTERM is the launcher's own
+    reported = {0: failures[0], 1: _Failure(exitcode=1, pid=11, timestamp=0.5, error_file="", error_file_data={})}
+    assert first_failure(reported)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
+
+
+def test_select_killed_and_restarted_gives_the_same_plan(tiny, tmp_path):
+    base = ["select", "--model", "tiny-llama", "--data", str(tiny.data), "--world-size", "2", "--ratio", "0.5",
+            "--nproc", "2", "--no-progress", "--batch-tokens", "64"]
+    ref = subprocess.run(_cli(*base, "--out", str(tmp_path / "ref")), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(*base, "--out", str(out), "--max-restarts", "1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((out / "features").glob("shard_*.npy")):  # a rank stored a shard: kill the other mid-way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.02)
+    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    a, b = np.load(tmp_path / "ref" / "plan.npz"), np.load(out / "plan.npz")
+    assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_a_failed_start_leaves_no_out_directory(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"  # found, but not JSON: the run fails after it made OUT, before any output
+    bad.write_text("this is not json\n", encoding="utf-8")
+    new = tmp_path / "new_out"
+    assert cli.main(["train", *tiny.argv(new), "--data", str(bad)]) == 2
+    assert not new.exists(), list(new.rglob("*"))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine", encoding="utf-8")
+    assert cli.main(["train", *tiny.argv(kept), "--data", str(bad)]) == 2
+    assert (kept / "notes.txt").read_text(encoding="utf-8") == "mine"
+    sel = tmp_path / "select_out"
+    assert cli.main(["select", "--model", "tiny-llama", "--data", str(bad), "--world-size", "2", "--ratio", "0.5",
+                     "--out", str(sel), "--no-progress"]) == 2
+    assert not sel.exists(), list(sel.rglob("*"))
+    assert "invalid JSON" in capsys.readouterr().err
