@@ -59,9 +59,11 @@ bench-compare: install
 	$(PY) benchmarks/bench_compare.py
 	$(PY) benchmarks/render_benchmarks.py
 
-# The compare benchmark on the real model (SmolLM2-135M-Instruct): about 90 minutes on 2 cores.
+# The compare benchmark on the real model (SmolLM2-135M-Instruct): about 90 minutes on 2 cores, then the
+# token-matched comparison (random, longest, cluster, cluster-whole at --budget tokens): about 40 more.
 bench-real: real-model
 	$(PY) benchmarks/bench_real.py
+	$(PY) benchmarks/bench_real.py --stage tokens
 	$(PY) benchmarks/render_benchmarks.py
 
 # The C++ K-means under AddressSanitizer + UBSan: a sanitized build of csrc/cpu (cached in build/sanitize-*) and

@@ -1,6 +1,7 @@
 """How long a 2-rank run takes to notice each fault, and what it loses (issue 37): the table of docs/training.md.
 
     python benchmarks/bench_faults.py            # about 5 minutes on 2 CPU cores; writes benchmarks/results/faults.json
+    python benchmarks/bench_faults.py --render-only   # rewrite faults.json's tables from its raw rows
 
 Every scenario trains the tiny model on 16 short examples (``--plan full``, 2 gloo ranks, a checkpoint every
 ``SAVE_EVERY`` steps) and injects one fault once the run has logged ``AT`` steps:
@@ -66,7 +67,8 @@ def scenario(name: str, data: Path, root: Path, extra: list[str], fault: str) ->
     out = root / name
     cmd = [sys.executable, "-m", "clusterlm", "train", "--plan", "full", "--model", "tiny-llama", "--data",
            str(data), "--out", str(out), "--no-progress", "--no-save-model", "--nproc", "2", "--max-steps",
-           str(STEPS), "--micro-batch-size", "1", "--save-every", str(SAVE_EVERY), "--log-every", "1", *extra]
+           str(STEPS), "--micro-batch-size", "1", "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "100",
+           "--log-every", "1", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while max(_losses(out), default=0) < AT:
         if proc.poll() is not None:
@@ -80,7 +82,7 @@ def scenario(name: str, data: Path, root: Path, extra: list[str], fault: str) ->
     lines = []
     for line in proc.stderr:  # the restart line (a restart run) or the end of the run
         lines.append(line.rstrip())
-        if noticed is None and ("restarting every rank" in line or "preempted" in line or "error" in line):
+        if noticed is None and line.startswith("clusterlm"):
             noticed = time.monotonic() - t0
     proc.wait()
     took = time.monotonic() - t0
@@ -91,13 +93,47 @@ def scenario(name: str, data: Path, root: Path, extra: list[str], fault: str) ->
             pass
     ckpts = sorted(int(p.stem.split("_")[1]) for p in (out / "ckpt").glob("step_*.pt"))
     last_ckpt = max((c for c in ckpts if c <= at), default=0)
-    message = next((x for x in lines if "restarting every rank" in x or "preempted" in x or "error" in x), "")
+    message = next((x for x in lines if x.startswith("clusterlm")), "")
     return {"fault": name, "signal": fault, "options": " ".join(extra), "fault_at_step": at, "exit_status":
             proc.returncode, "noticed_s": round(noticed if noticed is not None else took, 1), "ended_s": round(took, 1),
             "steps_lost": 0 if fault == "SIGTERM" else at - last_ckpt, "message": message[:300]}
 
 
+def result(rows: list[dict], date: str) -> dict:
+    """The rows in the format of every result file (``render_benchmarks.py`` renders it into BENCHMARKS.md)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _machine import machine_description
+
+    hung = next(r for r in rows if r["signal"] == "SIGSTOP")
+    table = [[r["fault"], r["signal"] + (f" ({r['options']})" if r["options"] else ""), r["fault_at_step"],
+              f"{r['noticed_s']} s", f"{r['ended_s']} s", r["exit_status"], r["steps_lost"]] for r in rows]
+    return {
+        "title": "Faults of a 2-rank run: how long the job takes to notice them, and what it loses",
+        "date": date, "machine": machine_description("2 gloo ranks x 1 thread", ["torch"]),
+        "command": "python benchmarks/bench_faults.py",
+        "sections": [{"heading": "Faults (tiny model, 400 steps, a checkpoint every 10 steps, the fault at step ~15)",
+                      "columns": ["fault", "injected", "at step", "noticed after", "run ended after", "exit",
+                                  "steps lost"], "rows": table,
+                      "notes": ["noticed: the launcher's first line about it (the restart, the preemption, the failed "
+                                "rank); steps lost: those after the last complete checkpoint (a preemption "
+                                "checkpoints the step it stops at)"] + [r["message"] for r in rows if r["message"]]}],
+        "targets": [
+            {"goal": "preemption: exit 75 with the current step checkpointed (0 steps lost)",
+             "measured": f"exit {rows[0]['exit_status']}, {rows[0]['steps_lost']} steps lost",
+             "met": rows[0]["exit_status"] == 75 and rows[0]["steps_lost"] == 0},
+            {"goal": "hung rank: the run fails within --dist-timeout 20 s + 20 s, naming the rank",
+             "measured": f"{hung['ended_s']} s; " + ("names rank 1" if "rank 1" in hung["message"] else "no rank"),
+             "met": hung["ended_s"] <= 40 and "rank 1" in hung["message"]},
+        ],
+        "raw": {"steps": STEPS, "save_every": SAVE_EVERY, "rows": rows},
+    }
+
+
 def main() -> None:
+    if "--render-only" in sys.argv:  # rewrite the result from its raw rows (no run)
+        old = json.loads(OUT.read_text(encoding="utf-8"))
+        OUT.write_text(json.dumps(result(old["raw"]["rows"], old["date"]), indent=1) + "\n", encoding="utf-8")
+        return
     root = Path(tempfile.mkdtemp(prefix="bench_faults_"))
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"def add_{i}(x):", "response": f"    return x + {i}\n"}) + "\n"
@@ -110,8 +146,7 @@ def main() -> None:
         scenario("hung rank, --dist-timeout 20", data, root, ["--dist-timeout", "20", "--preemption-grace", "10"],
                  "SIGSTOP"),
     ]
-    OUT.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bench_faults.py",
-                               "steps": STEPS, "save_every": SAVE_EVERY, "rows": rows}, indent=1) + "\n")
+    OUT.write_text(json.dumps(result(rows, time.strftime("%Y-%m-%d")), indent=1) + "\n", encoding="utf-8")
     print("| fault | noticed after | run ended after | exit | steps lost |\n|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['fault']} | {r['noticed_s']} s | {r['ended_s']} s | {r['exit_status']} | {r['steps_lost']} |")

@@ -23,7 +23,11 @@ Stages, in the order they run (each unit is resumable: a killed run continues wi
    ``--methods`` to run them. The default main stage takes about 85 minutes on 2 cores (per-unit times in
    BENCHMARKS.md);
 2. ``lora`` (``--stage lora`` after main, or ``--stage all``): full, random and cluster once with LoRA
-   (``--lora-r``) instead of full fine-tuning, about 12 minutes.
+   (``--lora-r``) instead of full fine-tuning, about 12 minutes;
+3. ``tokens`` (``--stage tokens``, or ``--stage all``): random, longest, cluster and cluster-whole token-matched
+   (``compare --budget tokens``: every selection holds ratio x the training tokens, within one example per cluster
+   or rank) at ``--seeds`` seeds; the table says which method is best at equal tokens, with its interval against
+   random and against longest. About 40 minutes on 2 cores.
 
 The result (``benchmarks/results/compare_real.json``) holds the tables and the issue's goals with the
 measured values; ``benchmarks/render_benchmarks.py`` turns it into BENCHMARKS.md.
@@ -61,6 +65,8 @@ ALL = (*FAST, "ifd", *VARIANTS, "cluster-tokens", "cluster-paper", "s2l", "less"
 # fits about 90 minutes on 2 cores; --methods with s2l,less adds them.
 DEFAULT_METHODS = (*FAST, "ifd", *VARIANTS)
 LORA = ("full", "random", "cluster")
+# The token-matched comparison (issue 38): every method selects ratio x the training tokens (--budget tokens).
+TOKEN_METHODS = ("random", "longest", "cluster", "cluster-whole")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the paper's 4 epochs that alone is ~4 full fine-tuning epochs here. 1 keeps it within the time budget and
     # can only make LESS look cheaper (and is reported).
     p.add_argument("--less-epochs", type=int, default=1, help="LESS warm-up epochs = checkpoints (paper: 4)")
-    p.add_argument("--stage", choices=("all", "main", "lora"), default="main",
+    p.add_argument("--stage", choices=("all", "main", "lora", "tokens"), default="main",
                    help="main (make bench-real, ~85 min), lora (~12 min more, reported beside main) or both")
     p.add_argument("--lora-methods", default=",".join(LORA), help="methods of the LoRA stage (one seed)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_real"), help="compare's output dirs (resumable)")
@@ -165,7 +171,7 @@ def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple
 
 
 def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, methods: list[str], seeds: int,
-             lora: bool) -> dict[str, Any]:
+             lora: bool, budget: str = "examples") -> dict[str, Any]:
     from clusterlm.cli import compare_config, compare_parser
     from clusterlm.compare_run import compare
     from clusterlm.options import parse_config
@@ -175,7 +181,7 @@ def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, me
              "--out", str(work), "--epochs", str(args.epochs), "--micro-batch-size", str(args.micro_batch_size),
              "--lr", str(args.lora_lr if lora else args.lr), "--n-validation", str(args.n_validation),
              "--threads", str(args.threads), "--bf16", args.bf16, "--chat-template", "on",
-             "--less-epochs", str(args.less_epochs)]
+             "--less-epochs", str(args.less_epochs), "--budget", budget]
     if lora:
         cargv += ["--lora-r", str(args.lora_r)]
     return compare(compare_config(parse_config(compare_parser(), cargv))).data  # `clusterlm compare CARGV`
@@ -194,6 +200,36 @@ def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
     return [[m, round(r["fraction"], 4), f"{r['tokens']:,.0f}", pm(r, "selection_s", 2), pm(r, "train_s", 1),
              pm(r, "total_s", 1), pm(r, "eval_loss", 4), vs(r, "random"), vs(r, "full"), r["seeds"]]
             for m, r in summary.items()]
+
+
+def token_section(records: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any] | None:
+    """The token-matched table: per method its selected and trained tokens, held-out loss, and the paired difference
+    to random and to longest with its 95 % interval; the notes name the best method at equal tokens."""
+    from clusterlm.compare_stats import delta_between, summarize
+
+    if not records:
+        return None
+    methods = [m for m in TOKEN_METHODS if any(k[0] == m for k in records)]
+    summary = summarize(list(records.values()), methods)
+    by = {m: [r for k, r in records.items() if k[0] == m] for m in methods}
+
+    def vs(m: str, ref: str) -> str:
+        d = delta_between(by[m], by[ref]) if m != ref and by.get(ref) else None
+        return "–" if d is None else f"{d.delta:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+
+    rows = [[m, f"{r.get('selected_tokens', float('nan')):,.0f}", f"{r['tokens']:,.0f}",
+             f"{r['eval_loss']:.4f} ± {r['eval_loss_std']:.4f}" if r["seeds"] > 1 else f"{r['eval_loss']:.4f}",
+             vs(m, "random"), vs(m, "longest"), r["seeds"]] for m, r in summary.items()]
+    best = min(summary, key=lambda m: summary[m]["eval_loss"])
+    sel = [r["selected_tokens"] for r in summary.values() if r.get("selected_tokens")]
+    notes = [f"every method selected ratio x the training tokens (compare --budget tokens): selected tokens range "
+             f"{min(sel):,.0f}-{max(sel):,.0f}" if sel else "",
+             f"lowest held-out loss at equal tokens: {best} ({summary[best]['eval_loss']:.4f}); vs random "
+             f"{vs(best, 'random')}, vs longest {vs(best, 'longest')} (paired by seed, 95 % intervals over seeds x "
+             "evaluation examples); an interval that contains 0 does not resolve the difference"]
+    return {"heading": "Results at equal tokens (compare --budget tokens; mean ± std over seeds)",
+            "columns": ["method", "selected tokens", "tokens trained", "held-out loss", "vs random [95 % CI]",
+                        "vs longest [95 % CI]", "seeds"], "rows": rows, "notes": [n for n in notes if n]}
 
 
 def _notes(summary: dict[str, dict[str, Any]], epochs: int) -> list[str]:
@@ -221,7 +257,7 @@ def _notes(summary: dict[str, dict[str, Any]], epochs: int) -> list[str]:
 
 def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str, subsets: dict[str, Any],
                  records: dict[tuple[str, int], dict[str, Any]], lora_records: dict[tuple[str, int], dict[str, Any]],
-                 t_start: float) -> dict[str, Any]:
+                 t_start: float, token_records: dict[tuple[str, int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write ``--out`` from the units done so far (called after each stage, so a cut run still reports)."""
     from clusterlm.compare_stats import summarize
 
@@ -259,14 +295,20 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
             ],
             "notes": [],
         },
-        {"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols, "rows": _rows(summary),
-         "notes": list(args.note) + _notes(summary, args.epochs) + window_decision(records)},
     ]
+    if summary:  # (a run of the tokens stage alone reports that table only)
+        sections.append({"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols,
+                         "rows": _rows(summary),
+                         "notes": list(args.note) + _notes(summary, args.epochs) + window_decision(records)})
+    tokens = token_section(token_records or {})
+    if tokens:
+        sections.append(tokens)
     if lora_summary:
         sections.append({"heading": f"Results, LoRA r={args.lora_r} (lr {args.lora_lr}, one seed)", "columns": cols,
                          "rows": _rows(lora_summary), "notes": [args.lora_note] if args.lora_note else []})
+    title = "compare on a real pretrained model: SmolLM2-135M-Instruct (selection + training + held-out loss)"
     out = {
-        "title": "compare on a real pretrained model: SmolLM2-135M-Instruct (selection + training + held-out loss)",
+        "title": title if summary else "compare on SmolLM2-135M-Instruct at equal tokens (--budget tokens)",
         "date": datetime.date.today().isoformat(),
         "machine": machine_description(
             f"{args.world_size} ranks x {args.threads} thread(s)", ["torch", "transformers", "peft"]
@@ -276,6 +318,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
         "targets": targets(summary),
         "raw": {"config": vars(args), "subsets": subsets, "summary": summary, "lora_summary": lora_summary,
                 "records": list(records.values()), "lora_records": list(lora_records.values()),
+                "token_records": list((token_records or {}).values()),
                 "total_wall_s": time.perf_counter() - t_start},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -296,23 +339,29 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[tuple[str, int], dict[str, Any]] = {}
     lora_records: dict[tuple[str, int], dict[str, Any]] = {}
     if args.report_only:
-        write_result(args, argv, model_id, subsets, _finished(work / "main"), _finished(work / "lora"), t_start)
+        write_result(args, argv, model_id, subsets, _finished(work / "main"), _finished(work / "lora"), t_start,
+                     _finished(work / "tokens"))
         print(f"written {args.out} from the finished units in {work}")
         return 0
-    if args.stage == "lora":  # the main stage ran earlier: report its units beside the LoRA ones
+    if args.stage in ("lora", "tokens"):  # the main stage ran earlier: report its units beside these
         records = _finished(work / "main")
+    token_records = _finished(work / "tokens")
     if args.stage in ("all", "main"):
         _compare(args, work / "main", data, heldout, methods, 1, lora=False)
         fast = [m for m in args.seed_methods.split(",") if m in methods]
         if args.seeds > 1 and fast:
             _compare(args, work / "main", data, heldout, fast, args.seeds, lora=False)
         records = _finished(work / "main")  # with every unit's per-example losses (the intervals)
-    out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
+    out = write_result(args, argv, model_id, subsets, records, lora_records, t_start, token_records)
+    if args.stage in ("all", "tokens"):
+        _compare(args, work / "tokens", data, heldout, list(TOKEN_METHODS), args.seeds, lora=False, budget="tokens")
+        token_records = _finished(work / "tokens")
+        out = write_result(args, argv, model_id, subsets, records, lora_records, t_start, token_records)
     if args.stage in ("all", "lora"):
         lora_methods = [m for m in args.lora_methods.split(",") if m]
         for r in _compare(args, work / "lora", data, heldout, lora_methods, 1, lora=True)["records"]:
             lora_records[(r["method"], r["seed"])] = r
-        out = write_result(args, argv, model_id, subsets, records, lora_records, t_start)
+        out = write_result(args, argv, model_id, subsets, records, lora_records, t_start, token_records)
     return print_targets(out, Path(args.out))  # write_result wrote it after each stage
 
 

@@ -5,8 +5,9 @@ torch path and the dispatcher, and re-exports the public names here (``IGNORE_IN
 ``lm_head_features_ref``), so importers keep importing them from there. The seam is the op's contract: which
 inputs are valid (:func:`check_lm_head_inputs` and the per-example token counts) and what the result is
 (:func:`lm_head_features_ref`, which validates its inputs with the very same checks). Both are plain torch / numpy,
-so this module imports without Triton, a GPU or the native ``_C``; it depends only on the offsets check of
-:mod:`cluster_kernels.project_linear_grads_reference`, and the op module imports it, never the other way round.
+so this module imports without Triton, a GPU or the native ``_C``; it depends only on the shared checks of
+:mod:`cluster_kernels.project_linear_grads_reference` (offsets, 2-D float inputs, one device), and the op module
+imports it, never the other way round.
 
 ========================================  =========================================================================
 name                                      what it is
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cluster_kernels.project_linear_grads_reference import check_cu_seqlens
+from cluster_kernels.project_linear_grads_reference import check_cu_seqlens, check_float_matrices, check_same_device
 
 __all__ = [
     "IGNORE_INDEX",
@@ -38,7 +39,6 @@ __all__ = [
 _OP = "lm_head_features"
 IGNORE_INDEX = -100
 LM_HEAD_MODES = ("paper", "projected")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -62,10 +62,8 @@ def check_lm_head_inputs(
     if mode not in LM_HEAD_MODES:
         raise ValueError(f"{_OP}: mode must be one of {LM_HEAD_MODES}, got {mode!r}.")
     _check_h_and_weight(h, weight)
-    for name, t in (("labels", labels), ("bias", bias), ("p_in", p_in), ("p_out", p_out),
-                    ("token_weights", token_weights), ("out", out)):
-        if isinstance(t, torch.Tensor) and t.device != h.device:  # before anything reads the data
-            raise ValueError(f"{_OP}: {name} is on {t.device} but h is on {h.device}; move all inputs to one device.")
+    check_same_device(_OP, "h", h.device, (("labels", labels), ("bias", bias), ("p_in", p_in), ("p_out", p_out),
+                                           ("token_weights", token_weights), ("out", out)))
     n_tok, d = h.shape
     vocab = weight.shape[0]
     _check_labels(labels, h, vocab)
@@ -93,13 +91,7 @@ def check_lm_head_inputs(
 
 
 def _check_h_and_weight(h: torch.Tensor, weight: torch.Tensor) -> None:
-    for name, t in (("h", h), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}.")
-        if t.dim() != 2:
-            raise ValueError(f"{_OP}: {name} must be 2-D, got shape {tuple(t.shape)}.")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
+    check_float_matrices(_OP, (("h", h), ("weight", weight)))
     d = h.shape[1]
     if weight.shape[1] != d:
         raise ValueError(

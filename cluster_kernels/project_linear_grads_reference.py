@@ -11,6 +11,8 @@ other op module: the op modules import it, never the other way round.
 name                                      what it is
 ========================================  =========================================================================
 ``check_cu_seqlens``                      packed-sequence offsets checked and copied to the host once per tensor
+``check_float_matrices``                  each named argument a 2-D float32/bfloat16/float16/float64 tensor
+``check_same_device``                     each named tensor argument on the device of the first input
 ``check_project_inputs``                  every argument of ``project_linear_grads`` (shapes, dtypes, devices)
 ``project_linear_grads_ref``              the definition: forms ``dW_b`` per example and projects it (float64)
 ========================================  =========================================================================
@@ -23,7 +25,8 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["check_cu_seqlens", "check_project_inputs", "project_linear_grads_ref"]
+__all__ = ["check_cu_seqlens", "check_float_matrices", "check_project_inputs", "check_same_device",
+           "project_linear_grads_ref"]
 
 _OP = "project_linear_grads"
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -93,6 +96,35 @@ def check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, n_tok: int) -> np.ndarra
     return cu
 
 
+def check_float_matrices(op: str, named: tuple[tuple[str, object], ...]) -> None:
+    """Each ``(name, value)`` of ``named`` must be a 2-D float32/bfloat16/float16/float64 torch.Tensor.
+
+    Raises:
+        TypeError: not a tensor, or another dtype. ValueError: not 2-D.
+    """
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}.")
+        if t.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
+
+
+def check_same_device(op: str, first: str, device: torch.device, named: tuple[tuple[str, object], ...]) -> None:
+    """Each tensor of ``named`` (``(name, value)``; other values are skipped) must be on ``device``, the device of
+    the input named ``first``; checked before anything reads the data.
+
+    Raises:
+        ValueError: naming the first tensor on another device.
+    """
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but {first} is on {device}; move all inputs to one device."
+            )
+
+
 def check_project_inputs(
     x: torch.Tensor,
     g: torch.Tensor,
@@ -104,18 +136,11 @@ def check_project_inputs(
 ) -> np.ndarray:
     """Check every argument of :func:`~cluster_kernels.project_linear_grads.project_linear_grads` (``out`` may be
     None); returns ``cu_seqlens`` as a host int64 array (:func:`check_cu_seqlens`)."""
-    for name, t in (("x", x), ("g", g), ("p_in", p_in), ("p_out", p_out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}.")
-        if t.dim() != 2:
-            raise ValueError(f"{_OP}: {name} must be 2-D, got shape {tuple(t.shape)}.")
-        if t.dtype not in _TORCH_DTYPES:
-            raise TypeError(f"{_OP}: {name} must be float32/bfloat16/float16/float64, got {t.dtype}.")
+    check_float_matrices(_OP, (("x", x), ("g", g), ("p_in", p_in), ("p_out", p_out)))
     if x.dtype != g.dtype:
         raise TypeError(f"{_OP}: x and g must have the same dtype, got x {x.dtype} and g {g.dtype}; cast one of them.")
-    for name, t in (("g", g), ("p_in", p_in), ("p_out", p_out), ("token_weights", token_weights), ("out", out)):
-        if isinstance(t, torch.Tensor) and t.device != x.device:  # before anything reads the data
-            raise ValueError(f"{_OP}: {name} is on {t.device} but x is on {x.device}; move all inputs to one device.")
+    check_same_device(_OP, "x", x.device, (("g", g), ("p_in", p_in), ("p_out", p_out),
+                                           ("token_weights", token_weights), ("out", out)))
     n_tok, d_in = x.shape
     if g.shape[0] != n_tok:
         raise ValueError(f"{_OP}: x and g must have the same number of tokens, got x {n_tok} and g {g.shape[0]}.")

@@ -36,6 +36,13 @@ struct Objects {
   int64_t size() const { return static_cast<int64_t>(cluster.size()); }
 };
 
+// Places the caps leave free over all rows (all ranks): sum(hi) - n_total (0 under exact balance).
+inline int64_t free_places(int64_t n_total, const int64_t* hi, int64_t k) {
+  int64_t free = -n_total;
+  for (int64_t j = 0; j < k; ++j) free += hi[j];
+  return free;
+}
+
 // The cheapest object that may hold dummies, other than `exclude` (lowest index on ties); -1 if none.
 inline int64_t cheapest_dummy_object(const std::vector<double>& prices, const Objects& ob, int64_t exclude) {
   int64_t best = -1;
@@ -66,6 +73,19 @@ inline std::vector<int64_t> place_dummies(const std::vector<double>& prices, con
   }
   if (left > 0) dummies[cheapest_dummy_object(prices, ob, -1)] += left;
   return dummies;
+}
+
+// At a phase start (eps just shrunk): the dummy units of every object priced more than eps above the cheapest
+// dummy-capable object move to that one, so no dummy unit sits more than eps above its best.
+inline void gather_dummies(const std::vector<double>& prices, const Objects& ob, double eps,
+                           std::vector<int64_t>& dummies) {
+  const int64_t cheapest = cheapest_dummy_object(prices, ob, -1);
+  for (int64_t o = 0; o < ob.size(); ++o) {
+    if (o != cheapest && dummies[o] > 0 && prices[o] > prices[cheapest] + eps) {
+      dummies[cheapest] += dummies[o];
+      dummies[o] = 0;
+    }
+  }
 }
 
 // eps schedule of one auction call: from the first eps down to eps_final; span: the cost range they are

@@ -46,12 +46,8 @@ struct Block {
   int64_t gid(int64_t i) const { return offset + (rows ? rows[i] : i); }
 };
 
-// Places the caps leave free over all ranks: sum(hi) - n_total (0 under exact balance).
-inline int64_t free_places(const Block& b, const int64_t* hi) {
-  int64_t free = -b.n_total;
-  for (int64_t j = 0; j < b.k; ++j) free += hi[j];
-  return free;
-}
+// Places the caps leave free over all ranks: sum(hi) - n_total (common/auction_objects.h).
+inline int64_t free_places(const Block& b, const int64_t* hi) { return free_places(b.n_total, hi, b.k); }
 
 // Keys (value, global row) in lexicographic order; rows are unique, so keys are distinct.
 inline bool key_le(double v, int64_t g, double tv, int64_t tg) { return v < tv || (v == tv && g <= tg); }

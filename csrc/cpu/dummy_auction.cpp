@@ -220,13 +220,7 @@ void DummyAuction::next_phase() {
   real_ = global_counts(b_, obj_.data(), m_, &inexact);
   exact_ = inexact == 0;
   std::fill(lb_.begin(), lb_.end(), -kInf);
-  const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
-  for (int64_t o = 0; o < m_; ++o) {
-    if (o != cheapest && dummies_[o] > 0 && p_[o] > p_[cheapest] + eps_) {
-      dummies_[cheapest] += dummies_[o];
-      dummies_[o] = 0;
-    }
-  }
+  gather_dummies(p_, ob_, eps_, dummies_);
   exact_ = exact_ && dummies_exact();
 }
 }  // namespace auction

@@ -167,15 +167,6 @@ Prepared<T> prepare(const char* op, const T* x, int64_t n, int64_t d, bool spher
   return p;
 }
 
-void normalise_rows(std::vector<double>& c, int64_t k, int64_t d) {
-  for (int64_t j = 0; j < k; ++j) {
-    double s = 0.0;
-    for (int64_t t = 0; t < d; ++t) s += c[j * d + t] * c[j * d + t];
-    const double inv = 1.0 / std::max(std::sqrt(s), 1e-30);
-    for (int64_t t = 0; t < d; ++t) c[j * d + t] *= inv;
-  }
-}
-
 template void check_finite<float>(const char*, const char*, const float*, int64_t, int64_t);
 template void check_finite<double>(const char*, const char*, const double*, int64_t, int64_t);
 template void check_range<float>(const char*, const char*, double);

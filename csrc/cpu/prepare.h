@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/rows.h"
+
 namespace cluster_kernels {
 
 // Largest |prepared entry| (centred data, centroids) accepted: float32 dot products of d such entries stay
@@ -24,7 +26,7 @@ template <typename T>
 void check_range(const char* op, const char* name, double largest);
 
 double max_abs(const std::vector<double>& v);
-void normalise_rows(std::vector<double>& c, int64_t k, int64_t d);
+// normalise_rows: common/rows.h
 
 // The frame of the Lloyd iterations: the caller's rows x, used in place, centred (x - mean) or scaled to unit length
 // (metric="cosine"), and the squared norms of the prepared rows. A prepared row is formed when it is read (row,

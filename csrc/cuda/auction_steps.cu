@@ -29,10 +29,6 @@
 namespace cluster_kernels {
 namespace cuda {
 
-using auction::cheapest_dummy_object;
-using auction::EpsSchedule;
-using auction::Objects;
-
 namespace {
 
 __global__ void argmin_kernel(const double* __restrict__ D, int64_t n, int64_t k, const int* __restrict__ cl,

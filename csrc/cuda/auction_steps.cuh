@@ -18,6 +18,13 @@
 namespace cluster_kernels {
 namespace cuda {
 
+// The host-side auction pieces of common/auction_objects.h, as the CPU code (namespace auction) names them.
+using auction::cheapest_dummy_object;
+using auction::EpsSchedule;
+using auction::free_places;
+using auction::gather_dummies;
+using auction::Objects;
+
 class AuctionGpu {
  public:
   AuctionGpu(Ctx& ctx, int64_t n, int64_t k);

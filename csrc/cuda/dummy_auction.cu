@@ -139,13 +139,7 @@ void DummyAuction::next_phase() {
   a_.phase(eps_);
   real_ = a_.object_counts();
   std::fill(lb_.begin(), lb_.end(), -kInf);
-  const int64_t cheapest = cheapest_dummy_object(p_, ob_, -1);
-  for (int64_t o = 0; o < m_; ++o) {
-    if (o != cheapest && dummies_[o] > 0 && p_[o] > p_[cheapest] + eps_) {
-      dummies_[cheapest] += dummies_[o];
-      dummies_[o] = 0;
-    }
-  }
+  gather_dummies(p_, ob_, eps_, dummies_);
 }
 
 }  // namespace cuda

@@ -12,10 +12,6 @@
 namespace cluster_kernels {
 namespace cuda {
 
-using auction::cheapest_dummy_object;
-using auction::EpsSchedule;
-using auction::Objects;
-
 class DummyAuction {
  public:
   DummyAuction(AuctionGpu& a, const int64_t* lo, const int64_t* hi, std::vector<double>& prices,

@@ -15,8 +15,7 @@ FloorAuction::FloorAuction(AuctionGpu& a, const int64_t* hi, std::vector<double>
   if (!warm) p_.assign(k_, 0.0);
   es_ = a_.eps_schedule(p_, warm, ap);
   eps_ = es_.eps;
-  slack_ = -a.n();
-  for (int64_t j = 0; j < k_; ++j) slack_ += hi[j];
+  slack_ = free_places(a.n(), hi, k_);
 }
 
 int64_t FloorAuction::run() {

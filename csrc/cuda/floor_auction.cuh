@@ -13,10 +13,6 @@
 namespace cluster_kernels {
 namespace cuda {
 
-using auction::cheapest_dummy_object;
-using auction::EpsSchedule;
-using auction::Objects;
-
 class FloorAuction {
  public:
   FloorAuction(AuctionGpu& a, const int64_t* hi, std::vector<double>& prices, const AuctionParams& ap);  // floor_auction.cu

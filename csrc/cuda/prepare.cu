@@ -91,15 +91,6 @@ Prepared<T> prepare(Ctx& ctx, const T* x, int64_t n, int64_t d, bool spherical) 
   return p;
 }
 
-void normalise_rows(std::vector<double>& c, int64_t k, int64_t d) {
-  for (int64_t j = 0; j < k; ++j) {
-    double s = 0.0;
-    for (int64_t t = 0; t < d; ++t) s += c[j * d + t] * c[j * d + t];
-    const double inv = 1.0 / std::max(std::sqrt(s), 1e-30);
-    for (int64_t t = 0; t < d; ++t) c[j * d + t] *= inv;
-  }
-}
-
 template <typename T>
 static double row_sqnorm(const T* v, int64_t d) {
   double s = 0.0;

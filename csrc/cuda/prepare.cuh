@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/rows.h"
 #include "cuda/device_utils.cuh"
 
 namespace cluster_kernels {
@@ -23,7 +24,7 @@ struct Prepared {
 template <typename T>
 Prepared<T> prepare(Ctx& ctx, const T* x, int64_t n, int64_t d, bool spherical);
 
-void normalise_rows(std::vector<double>& c, int64_t k, int64_t d);
+// normalise_rows (host): common/rows.h, the CPU's one.
 
 // Centroids in T and their squared norms, on the host as the CPU's to_T, then on the device.
 template <typename T>

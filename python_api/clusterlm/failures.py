@@ -47,9 +47,13 @@ def first_failure(failures: Mapping[int, Any]) -> tuple[str, int]:
     it could not report, and the others' reports only notice the lost peer), the earliest; else the rank that
     reported first (:func:`report_failure`, by the nanosecond time of its report); else the earliest exit.
     """
-    killed = [(f.timestamp, rank) for rank, f in failures.items()
-              if f.exitcode < 0 and -f.exitcode not in _LAUNCHER_SIGNALS and not _report_of(f)]
     reported = [(int(_report_of(f).get("time_ns", 0)), rank) for rank, f in failures.items() if _report_of(f)]
+    # A killed rank's failure is stamped when the agent saw it (whole seconds): it is the cause unless it came later
+    # than the first report (then the agent itself killed it, after it would not stop).
+    first_report_s = min(reported)[0] / 1e9 if reported else float("inf")
+    killed = [(f.timestamp, rank) for rank, f in failures.items()
+              if f.exitcode < 0 and -f.exitcode not in _LAUNCHER_SIGNALS and not _report_of(f)
+              and f.timestamp <= first_report_s + 1]
     others = len(failures) - 1
     stopped = f"; the other {others} failed rank(s) were stopped after it" if others else ""
     if not killed and reported:

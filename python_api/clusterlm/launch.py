@@ -230,28 +230,17 @@ class SpawnFailed(RuntimeError):
         self.code = code
 
 
-def spawn_with_config(
-    command: str,
-    config_path: Path,
-    sha256: str,
-    nproc: int,
-    *,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str = "clusterlm",
-    env: Mapping[str, str] | None = None,
-    max_restarts: int = 0,
-    shutdown_timeout: float | None = None,
-) -> None:
+def spawn_with_config(command: str, config_path: Path, sha256: str, nproc: int, *,
+                      env: Mapping[str, str] | None = None, **launch: Any) -> None:
     """Run ``clusterlm COMMAND --config CONFIG_PATH`` on ``nproc`` processes (:func:`spawn`); every rank reads its
     settings from that file after checking its sha256 (:func:`check_config_file`), never from a rebuilt command line.
+    ``launch``: :func:`spawn`'s keyword options (``nnodes``, ``rdzv_endpoint``, ``max_restarts``, ...).
 
     Raises:
         SpawnFailed: a rank failed (its line is printed already); ``.code`` is the exit status.
     """
-    rc = spawn(PACKAGE_ENTRY, [command, "--config", str(config_path)], nproc, nnodes=nnodes,
-               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, env={**(env or {}), CONFIG_SHA_ENV: sha256},
-               max_restarts=max_restarts, shutdown_timeout=shutdown_timeout)
+    rc = spawn(PACKAGE_ENTRY, [command, "--config", str(config_path)], nproc,
+               env={**(env or {}), CONFIG_SHA_ENV: sha256}, **launch)
     if rc != 0:
         raise SpawnFailed(rc, f"clusterlm {command}")
 
@@ -358,25 +347,28 @@ def _quiet_torchrun() -> None:
 def _report_restarts() -> None:
     """Make torch's elastic agent (in this process) say why it restarts the ranks, and not wait on stopped ones.
 
-    Its monitor step is wrapped: when it finds failed ranks, every rank gets SIGCONT (a stopped rank then takes the
-    SIGTERM the agent sends next instead of holding the run until the shutdown timeout's SIGKILL), and, when a
-    restart follows (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
+    Two steps are wrapped: stopping the ranks first sends every rank SIGCONT (a stopped rank then takes the SIGTERM
+    that follows instead of holding the run until the timeout's SIGKILL), and when the monitor finds failed ranks
+    and a restart follows (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
     """
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     if getattr(LocalElasticAgent._monitor_workers, "_clusterlm", False):
         return
-    monitor = LocalElasticAgent._monitor_workers
+    monitor, close = LocalElasticAgent._monitor_workers, SubprocessContext._close
+
+    def closing(self: Any, *args: Any, **kwargs: Any) -> None:
+        for pid in self.pids().values():  # a stopped rank must run to take the signal that stops it
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        close(self, *args, **kwargs)
 
     def monitored(self: Any, worker_group: Any) -> Any:
         result = monitor(self, worker_group)
         if result.is_failed():
-            pcontext = getattr(self, "_pcontext", None)
-            for pid in (pcontext.pids().values() if pcontext is not None else ()):
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except OSError:
-                    pass
             remaining, total = self._remaining_restarts, worker_group.spec.max_restarts
             if remaining > 0 and result.failures:
                 line, _ = first_failure(result.failures)
@@ -386,6 +378,7 @@ def _report_restarts() -> None:
 
     monitored._clusterlm = True  # type: ignore[attr-defined]
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+    SubprocessContext._close = closing  # type: ignore[method-assign]
 
 
 def run_agent(argv: Sequence[str]) -> int:

@@ -1,4 +1,5 @@
-"""Session fixtures of the data/demo/model tests: one demo build per test session, in a temporary home.
+"""Fixtures of the data/demo/model tests: one demo build per test session, in a temporary home, and the tiny
+Llama of the baseline tests (one per module).
 
 ``CLUSTERLM_HOME`` points at a session temporary directory while these fixtures are in use, so nothing is
 written to ``~/.cache/clusterlm`` and the default-root code path (no ``root`` argument) is what builds it.
@@ -13,8 +14,25 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+
+pytest.register_assert_rewrite("tiny_cases")  # its helpers assert: keep pytest's explanations
 
 SMALL_MAX_LENGTH = 96  # tokens: short examples keep the 2-rank runs of the API tests fast
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    """A 2-layer Llama (hidden 32, vocabulary 97) in eval mode, seeded without touching the global RNG (the
+    baseline tests: S2L, IFD, LESS and their token budgets)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from tiny_cases import baseline_examples as _examples  # tiny_model: the fixture of conftest.py
 
 from clusterlm.baselines._training import TrainLoopConfig, example_losses, train_loop
 from clusterlm.baselines.ifd import answer_only, ifd_plan, ifd_select
@@ -27,30 +28,6 @@ from clusterlm.baselines.s2l import S2LConfig, balanced_cluster_sample, build_pr
 from clusterlm.plan import Plan
 
 IGNORE = -100
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
-
-
-def _examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        t = int(rng.integers(8, 40))
-        ids = rng.integers(1, 97, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 3] = IGNORE
-        out.append({"input_ids": ids, "labels": labels})
-    return out
 
 
 def _check_plan(plan: Plan, data: list, world_size: int, count: int, method: str) -> np.ndarray:

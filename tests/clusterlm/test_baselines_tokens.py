@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_cases import baseline_examples as _examples  # tiny_model: the fixture of conftest.py
 
 from clusterlm.baselines import baseline_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
 from clusterlm.baselines._plans import prefix_for_tokens, resolve_amount
@@ -22,31 +22,6 @@ from clusterlm.plan import Plan
 
 IGNORE = -100
 TOKEN_KEYS = {"requested_tokens", "selected_tokens", "relative_error", "one_example_per_cluster_tokens", "note"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
-
-
-def _examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``n`` examples of 8..39 tokens, the first third of each a prompt (labels -100)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        t = int(rng.integers(8, 40))
-        ids = rng.integers(1, 97, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 3] = IGNORE
-        out.append({"input_ids": ids, "labels": labels})
-    return out
 
 
 def _check_tokens(plan: Plan, data: list, world_size: int, requested: int, method: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from tiny_cases import run_compare as _compare
 
 import clusterlm.cli as cli
 from clusterlm import compare_config, compare_output, compare_run, compare_stats
@@ -33,15 +34,6 @@ def _args(tmp_path, data, heldout, **over) -> CompareConfig:
     """The CompareConfig ``clusterlm compare`` builds from the small settings' options, with ``over`` applied."""
     config = cli.compare_config(parse_config(cli.compare_parser(), _argv(tmp_path, data, heldout)))
     return _with(config, **over)
-
-
-def _compare(config: CompareConfig) -> int:
-    """``clusterlm compare`` (:func:`clusterlm.cli.cmd_compare`) on the parsed values of ``config``: its exit status."""
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
-    values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)
-               if f.name not in compare_config.TRAIN_PER_UNIT}
-    assert cli.compare_config(values) == config
-    return cli.cmd_compare(values, False)
 
 
 @pytest.fixture()

@@ -3,13 +3,13 @@ training data (and LESS's validation examples), every set reported per method, a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
+from tiny_cases import run_compare as _compare
 
 import clusterlm.cli as cli
-from clusterlm import compare_config, compare_output, compare_run, compare_stats
+from clusterlm import compare_output, compare_run, compare_stats
 from clusterlm.compare_config import CompareConfig
 from clusterlm.compare_eval import EvalSet, check_overlap, eval_sets_of, parse_eval_set, read_eval_sets
 from clusterlm.data import read_data
@@ -180,15 +180,6 @@ def _args(tmp_path, train, eval_data: list[str], methods: str) -> CompareConfig:
             "--max-steps", "1", "--micro-batch-size", "4", "--out", str(tmp_path / "cmp")]
     return cli.compare_config(parse_config(cli.compare_parser(), argv + [x for v in eval_data for x in ("--eval-data",
                                                                                                        v)]))
-
-
-def _compare(config: CompareConfig) -> int:
-    """``clusterlm compare`` (:func:`clusterlm.cli.cmd_compare`) on the parsed values of ``config``: its exit status."""
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
-    values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)
-               if f.name not in compare_config.TRAIN_PER_UNIT}
-    assert cli.compare_config(values) == config
-    return cli.cmd_compare(values, False)
 
 
 def test_two_sets_are_reported_per_method_and_keyed(sets, tmp_path, monkeypatch):

@@ -166,7 +166,7 @@ def test_the_first_failure_is_the_killed_rank_not_the_survivor_the_launcher_stop
     err_file.parent.mkdir()
     (err_file.parent / "stderr.log").write_text("loading\nstep 7: out of memory\n", encoding="utf-8")
     survivor = {"clusterlm": {"line": "clusterlm train: error (rank 0 of 2): Connection closed by peer",
-                              "exit_code": 1, "time_ns": 5}}
+                              "exit_code": 1, "time_ns": 2_500_000_000}}  # it noticed the lost peer at 2.5 s
     failures = {0: _Failure(exitcode=1, pid=10, timestamp=1.0, error_file="", error_file_data=survivor),
                 1: _Failure(exitcode=-9, pid=11, timestamp=2.0, error_file=str(err_file), error_file_data={})}
     line, code = first_failure(failures)
@@ -175,6 +175,9 @@ def test_the_first_failure_is_the_killed_rank_not_the_survivor_the_launcher_stop
     stopped = {0: _Failure(exitcode=-15, pid=10, timestamp=1.0, error_file="", error_file_data={}),
                1: failures[1]}
     assert first_failure(stopped)[0].startswith("clusterlm: rank 1 (pid 11)")  # SIGTERM is the launcher's own
+    # the agent killed rank 1 itself, 30 s after rank 0 reported (it would not stop): rank 0's report is the cause
+    forced = {0: failures[0], 1: _Failure(exitcode=-9, pid=11, timestamp=32.0, error_file="", error_file_data={})}
+    assert first_failure(forced)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
     reported = {0: failures[0], 1: _Failure(exitcode=1, pid=11, timestamp=0.5, error_file="", error_file_data={})}
     assert first_failure(reported)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
 

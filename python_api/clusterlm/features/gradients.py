@@ -100,10 +100,9 @@ class BatchGradients:
                 h = self._forward_hidden(batch_t, captured)
                 h_packed = h.detach().reshape(-1, h.shape[-1]).index_select(0, batch_t.flat_idx)
                 if self.needs_backward:
-                    self._backward(h, h_packed, batch_t.flat_idx, batch_t.targets, batch_t.token_weights, batch_t.cu,
-                                   feats, device)
+                    self._backward(h, h_packed, batch_t, feats, device)
                 else:
-                    self._head_only(h_packed, batch_t.targets, batch_t.token_weights, batch_t.cu, feats, device)
+                    self._head_only(h_packed, batch_t, feats, device)
         finally:
             for hd in handles:
                 hd.remove()
@@ -180,18 +179,16 @@ class BatchGradients:
 
         return forward_hook
 
-    def _head_only(
-        self,
-        h_packed: torch.Tensor,
-        tgt: torch.Tensor,
-        token_w: torch.Tensor,
-        cu: torch.Tensor,
-        feats: torch.Tensor,
-        device: torch.device,
-    ) -> None:
-        """The lm head's feature from one vocabulary pass (no backward)."""
+    def _head_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm head's weight and bias (None without one), detached."""
         weight, bias = self._lm_head.weight.detach(), self._lm_head.bias
-        bias = bias.detach() if bias is not None else None
+        return weight, bias.detach() if bias is not None else None
+
+    def _head_only(self, h_packed: torch.Tensor, batch_t: PackedBatch, feats: torch.Tensor,
+                   device: torch.device) -> None:
+        """The lm head's feature from one vocabulary pass (no backward)."""
+        tgt, token_w, cu = batch_t.targets, batch_t.token_weights, batch_t.cu
+        weight, bias = self._head_parameters()
         if self.mode == "paper":
             res = lm_head_features(
                 h_packed,
@@ -222,20 +219,11 @@ class BatchGradients:
             max_chunk_elems=self.max_chunk_elems,
         )
 
-    def _backward(
-        self,
-        h: torch.Tensor,
-        h_packed: torch.Tensor,
-        flat_idx: torch.Tensor,
-        tgt: torch.Tensor,
-        token_w: torch.Tensor,
-        cu: torch.Tensor,
-        feats: torch.Tensor,
-        device: torch.device,
-    ) -> None:
+    def _backward(self, h: torch.Tensor, h_packed: torch.Tensor, batch_t: PackedBatch, feats: torch.Tensor,
+                  device: torch.device) -> None:
         """dL/dh from the lm head in token chunks, the head's own feature, then the activation-only backward."""
-        weight, bias = self._lm_head.weight.detach(), self._lm_head.bias
-        bias = bias.detach() if bias is not None else None
+        flat_idx, tgt, token_w, cu = batch_t.flat_idx, batch_t.targets, batch_t.token_weights, batch_t.cu
+        weight, bias = self._head_parameters()
         valid = (tgt != IGNORE_INDEX).nonzero().squeeze(1)
         hv, yv, wv = h_packed.index_select(0, valid), tgt.index_select(0, valid), token_w.index_select(0, valid)
         p_out = None
