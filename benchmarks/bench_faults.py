@@ -116,7 +116,7 @@ def result(rows: list[dict], date: str) -> dict:
                                   "steps lost"], "rows": table,
                       "notes": ["noticed: the launcher's first line about it (the restart, the preemption, the failed "
                                 "rank); steps lost: those after the last complete checkpoint (a preemption "
-                                "checkpoints the step it stops at)"] + [r["message"] for r in rows if r["message"]]}],
+                                "checkpoints the step it stops at); each fault's message is in raw.rows"]}],
         "targets": [
             {"goal": "preemption: exit 75 with the current step checkpointed (0 steps lost)",
              "measured": f"exit {rows[0]['exit_status']}, {rows[0]['steps_lost']} steps lost",

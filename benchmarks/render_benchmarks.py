@@ -41,7 +41,7 @@ OUT_PATH = REPO / "BENCHMARKS.md"
 DETAIL_FILES = ("ptxas.json",)
 # Other results keep their main tables in BENCHMARKS.md; their setup tables and tables longer than this many rows
 # are in the result's own file (every table of it, benchmarks/results/<stem>.md), linked from its section.
-MAX_ROWS = 12
+MAX_ROWS = 10
 # The target shown as a result's headline in the summary table (default: its first).
 HEADLINE_TARGET = {"distributed_kmeans.json": 2}
 

@@ -82,13 +82,12 @@ class Progress:
             except (OSError, ValueError):
                 behind.append(f"rank {r} (no progress recorded)")
                 continue
-            if (rec["step"], rec["op"]) != (self.step, self.op):
-                ago = time.time() - float(rec.get("since", time.time()))
-                behind.append(f"rank {r} (pid {rec.get('pid', '?')}), whose last progress was {rec['op']} of step "
-                              f"{rec['step']}, {ago:.0f} s ago")
-        if not behind:  # every rank reached this operation: one of them stopped inside it
-            behind = [f"ranks {', '.join(str(r) for r in range(self.world_size) if r != self.rank)} (all reached "
-                      f"{self.op} of step {self.step}; one stopped inside it)"]
+            ago = time.time() - float(rec.get("since", time.time()))
+            if (rec["step"], rec["op"]) == (self.step, self.op):  # it got here too, then stopped inside it
+                where = "it reached the same operation"
+            else:
+                where = f"its last progress was {rec['op']} of step {rec['step']}"
+            behind.append(f"rank {r} (pid {rec.get('pid', '?')}; {where}, {ago:.0f} s ago)")
         who = "; ".join(behind)
         return (f"rank {self.rank} waited {waited} in {self.op} of step {self.step} (--dist-timeout) for {who}: it "
                 "is stopped or hung (SIGSTOP, a deadlock, a GPU fault); the run ends (continue it with --resume, or "

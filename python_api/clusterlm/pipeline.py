@@ -198,7 +198,8 @@ def run_select(job: SelectJob) -> Plan:
 
 def _wrote_output(out: Path) -> bool:
     """A selection's first output: a plan, or a feature shard (kept: a rerun resumes from it)."""
-    return (out / "plan.json").exists() or any((out / "features").glob("shard_*.npy"))
+    store = out / "features"
+    return (out / "plan.json").exists() or (store / "features.npy").exists() or any(store.glob("shard_*.npy"))
 
 
 def _spawn(job: SelectJob) -> Plan:

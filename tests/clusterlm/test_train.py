@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from clusterlm import cli, train_launch
+from clusterlm._io import lock_holder
 from clusterlm.configio import checksum
 from clusterlm.engine import CKPT_DIR, forward_backward, make_micro_batches
 from clusterlm.launch import FORWARDED_SIGNALS, PACKAGE_ENTRY, pid_alive, torchrun_command
@@ -201,8 +202,8 @@ def test_sigkill_and_resume_matches_uninterrupted_run(env, reference_run, tmp_pa
     # SIGKILL is delivered at once but a process ends a moment later: until then its lock on OUT is live (the
     # resume below checks the lock in this process before it starts any rank)
     deadline = time.monotonic() + 30
-    while any(pid_alive(pid) for pid in killed):
-        assert time.monotonic() < deadline, "killed ranks still alive after 30 s"
+    while any(pid_alive(pid) for pid in killed) or lock_holder(out) is not None:  # the kernel ends them late
+        assert time.monotonic() < deadline, f"killed ranks alive or OUT locked ({lock_holder(out)}) after 30 s"
         time.sleep(0.05)
     done = _records(out, "train", partial_ok=True)  # SIGKILL may cut the last line
     assert not (out / SUMMARY).exists() and len(done) < STEPS, "the run finished before it could be killed"
