@@ -296,7 +296,10 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
             "notes": [],
         },
     ]
-    if summary:  # (a run of the tokens stage alone reports that table only)
+    if not summary:  # a run of the tokens stage alone: its methods, and that table only
+        sections[0]["rows"][-2] = ["methods", f"{', '.join(TOKEN_METHODS)} at ratio {args.ratio} of the training "
+                                   f"tokens (compare --budget tokens), seeds 0..{args.seeds - 1}"]
+    if summary:
         sections.append({"heading": "Results, full fine-tuning (mean ± std over seeds)", "columns": cols,
                          "rows": _rows(summary),
                          "notes": list(args.note) + _notes(summary, args.epochs) + window_decision(records)})
