@@ -10,16 +10,13 @@ written to ``OUT/compare_config.yaml``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from clusterlm.compare_eval import parse_eval_set
 from clusterlm.config import SelectConfig
-from clusterlm.configio import check_keys, from_dict, read_config_file, to_dict, write_config
+from clusterlm.configio import ConfigFile, check_keys, from_dict
 from clusterlm.readers import positive_int_arg, ratios_arg, seeds_arg
 from clusterlm.train_config import TrainConfig
 
@@ -226,7 +223,7 @@ def compare_train_defaults() -> TrainConfig:
 
 
 @dataclass(frozen=True)
-class CompareConfig:
+class CompareConfig(ConfigFile):
     """Every setting of ``clusterlm compare`` (:func:`clusterlm.compare`): the methods, budgets, seeds, data, and the
     training settings every unit shares (:attr:`train`).
 
@@ -282,6 +279,8 @@ class CompareConfig:
     less_dim: int = 1024
     train: TrainConfig = field(default_factory=compare_train_defaults, metadata={"cli": False})
 
+    COMMAND: ClassVar[str] = "compare"
+
     def __post_init__(self) -> None:
         # Lists (YAML, Python) become tuples; a --methods string is parsed: the config stays frozen and hashable.
         for name in ("eval_data", "ratios", "methods", "seeds"):
@@ -301,16 +300,8 @@ class CompareConfig:
         """``ratios``, else ``[ratio]``."""
         return [float(r) for r in (self.ratios or (self.ratio,))]
 
-    def replace(self, **changes: Any) -> CompareConfig:
-        """A copy with ``changes`` applied (``dataclasses.replace``)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (``train`` as a nested mapping): what ``compare_config.yaml`` holds."""
-        return to_dict(self)
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "CompareConfig") -> CompareConfig:
+    def from_dict(cls, data: dict[str, Any], where: str = "CompareConfig") -> CompareConfig:  # type: ignore[override]
         """The config of a mapping (``train`` a nested mapping over compare's training defaults; an unknown name is
         refused, naming the closest)."""
         data = dict(data)
@@ -318,15 +309,6 @@ class CompareConfig:
             check_keys(data["train"], TrainConfig, f"{where} (train)")
             data["train"] = compare_train_defaults().replace(**data["train"])
         return from_dict(cls, data, where)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> CompareConfig:
-        """Read a YAML/JSON config file (e.g. ``OUT/compare_config.yaml``)."""
-        return cls.from_dict(read_config_file(path), f"--config {path}")
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the YAML file (atomically); the sha256 of its text."""
-        return write_config(self, Path(path), header="clusterlm compare --config FILE (CompareConfig)")
 
     def check(self) -> None:
         """Refuse bad settings before any model work (data files are checked when read).

@@ -26,13 +26,15 @@ import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from clusterlm._io import atomic_write_text
 
-__all__ = ["check_keys", "checksum", "field_help", "from_dict", "read_config_file", "to_dict", "write_config"]
+__all__ = ["ConfigFile", "check_keys", "checksum", "field_help", "field_value", "from_dict", "read_config_file",
+           "to_dict", "write_config"]
 
 T = TypeVar("T")
+C = TypeVar("C", bound="ConfigFile")
 _ATTR = re.compile(r"^(?P<names>[a-z_][a-z0-9_]*(?:\s*/\s*[a-z_][a-z0-9_]*)*):\s*(?P<text>.*)$")
 
 
@@ -83,8 +85,6 @@ def to_dict(obj: Any) -> Any:
         return {str(k): to_dict(v) for k, v in obj.items()}
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
-    if hasattr(obj, "to_dict") and callable(obj.to_dict):
-        return obj.to_dict()
     return obj
 
 
@@ -115,10 +115,52 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T
         kind = hints[key]
         if dataclasses.is_dataclass(kind) and isinstance(value, Mapping):
             value = from_dict(kind, value, f"{where} ({key})")
-        elif isinstance(value, list) and "tuple" in str(kind):
-            value = tuple(value)
-        kwargs[key] = value
+        kwargs[key] = field_value(kind, value)
     return cls(**kwargs)
+
+
+def field_value(hint: Any, value: Any) -> Any:
+    """A file's value for a field annotated ``hint``: YAML and JSON have lists, a tuple field keeps a tuple (the
+    config stays frozen and comparable)."""
+    return tuple(value) if isinstance(value, list) and "tuple" in str(hint) else value
+
+
+class ConfigFile:
+    """What every job's config (a frozen dataclass) does with files: ``replace``, ``to_dict`` / ``from_dict``,
+    ``load`` / ``save``. :attr:`COMMAND` names the command whose ``--config`` reads the file."""
+
+    COMMAND: ClassVar[str] = ""
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with ``changes`` applied (``dataclasses.replace``).
+
+        Raises:
+            TypeError: a name that is not a field.
+        """
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists for tuples, nested configs as mappings): what the config file holds."""
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any], where: str = "") -> C:
+        """The config of a mapping of field names (an unknown name is refused, naming the closest field)."""
+        return from_dict(cls, data, where or cls.__name__)
+
+    @classmethod
+    def load(cls: type[C], path: str | os.PathLike) -> C:
+        """Read a YAML/JSON config file (e.g. the resolved one written next to a run's outputs).
+
+        Raises:
+            FileNotFoundError / ValueError: no such file, not YAML/JSON, an unknown key.
+        """
+        return cls.from_dict(read_config_file(path), f"--config {path}")
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the YAML file (atomically); the sha256 of its text."""
+        header = f"clusterlm {self.COMMAND} --config FILE ({type(self).__name__})"
+        return write_config(self.to_dict(), Path(path), header=header)
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -161,7 +203,8 @@ def checksum(text: str) -> str:
 
 
 def write_config(obj: Any, path: str | os.PathLike, *, header: str = "") -> str:
-    """Write ``obj`` (a config dataclass) as YAML to ``path`` atomically; returns the sha256 of the text written.
+    """Write ``obj`` (a config dataclass or its plain data) as YAML to ``path`` atomically; returns the sha256 of
+    the text written.
 
     Raises:
         StorageError: the disk is full (from :func:`clusterlm._io.atomic_write_text`).

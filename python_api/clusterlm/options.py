@@ -10,7 +10,8 @@ type, default and choices (a ``Literal`` annotation). A field's ``metadata`` may
   (0, 1]); the field's own type then only documents the value;
 * ``aliases``: older spellings that keep working (``--model-dtype`` for ``--dtype``);
 * ``group``: the ``--help`` section; ``metavar``, ``nargs``, ``const``: as argparse's;
-* ``cli=False``: not an option (a nested config, or a setting only Python callers have).
+* ``cli=False``: not an option (a nested config, or a setting only Python callers have);
+* ``low``: the least value of an int setting (its config's ``check()`` reads it).
 
 The help text of each option is the field's entry in its class docstring (:func:`clusterlm.configio.field_help`).
 
@@ -31,12 +32,12 @@ from typing import Any, NoReturn
 
 from transformers import HfArgumentParser
 
-from clusterlm.configio import check_keys, field_help, read_config_file
+from clusterlm.configio import check_keys, field_help, field_value, read_config_file
 
 __all__ = ["CUSTOM_KEYS", "ConfigArgumentParser", "option_fields", "parse_config"]
 
 # Field-metadata keys that are ours, not argparse's: taken out before HfArgumentParser sees the field.
-CUSTOM_KEYS = ("parse", "group", "cli", "nargs", "const", "metavar", "help_suffix")
+CUSTOM_KEYS = ("parse", "group", "cli", "nargs", "const", "metavar", "help_suffix", "low")
 
 
 class ConfigArgumentParser(HfArgumentParser):
@@ -138,10 +139,9 @@ class ConfigArgumentParser(HfArgumentParser):
             probe = dataclasses.make_dataclass("settings", [(n, Any) for n in self.fields])
             probe.__name__ = " / ".join(sorted(c.__name__ for c in owners))
             check_keys({unknown[0]: None}, probe, f"--config {where}")
-        for key, value in flat.items():  # YAML has lists; a tuple field keeps its tuples (frozen, comparable)
+        for key, value in flat.items():  # YAML has lists; a tuple field keeps its tuples
             cls, f = self.fields[key]
-            if isinstance(value, list) and "tuple" in str(typing.get_type_hints(cls)[f.name]):
-                flat[key] = tuple(value)
+            flat[key] = field_value(typing.get_type_hints(cls)[f.name], value)
         self.set_defaults(**flat)
 
 

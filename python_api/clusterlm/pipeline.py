@@ -30,15 +30,16 @@ import os
 import shutil
 import tempfile
 import time
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from clusterlm._io import atomic_write_json, storage_errno, storage_error
 from clusterlm.config import ResolvedSelection, SelectConfig
-from clusterlm.configio import check_keys, read_config_file, to_dict, write_config
+from clusterlm.configio import ConfigFile, check_keys, field_value, to_dict
 from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
 from clusterlm.distributed import DistributedClustering, featurize_sharded
 from clusterlm.failures import removed_if_empty
@@ -57,7 +58,7 @@ SELECT_CONFIG = "select_config.yaml"  # in OUT: the resolved job (clusterlm sele
 
 
 @dataclass(frozen=True)
-class SelectJob:
+class SelectJob(ConfigFile):
     """One selection run: inputs, outputs and the selection settings.
 
     Attributes:
@@ -99,6 +100,8 @@ class SelectJob:
     dist_timeout: float | None = None
     debug: bool = field(default=False, metadata={"cli": False})
 
+    COMMAND: ClassVar[str] = "select"
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data, flat: the job's fields and the selection settings side by side (what select_config.yaml
         holds; ``debug`` is left out)."""
@@ -113,21 +116,9 @@ class SelectJob:
         job = {k: v for k, v in data.items() if k in job_names}
         settings = {k: v for k, v in data.items() if k not in job_names}
         check_keys(settings, SelectConfig, where)
-        settings = {k: tuple(v) if isinstance(v, list) and k == "dim" else v for k, v in settings.items()}
+        hints = typing.get_type_hints(SelectConfig)
+        settings = {k: field_value(hints[k], v) for k, v in settings.items()}
         return cls(**job, config=SelectConfig(**settings))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SelectJob:
-        """Read a YAML/JSON file of the job (e.g. ``OUT/select_config.yaml``).
-
-        Raises:
-            FileNotFoundError / ValueError: no such file, not YAML/JSON, an unknown key.
-        """
-        return cls.from_dict(read_config_file(path), f"--config {path}")
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the YAML file (atomically); the sha256 of its text."""
-        return write_config(self.to_dict(), Path(path), header="clusterlm select --config FILE (SelectJob)")
 
 
 def writable_dir(path: str | os.PathLike, option: str) -> Path:

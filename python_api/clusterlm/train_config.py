@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from clusterlm.configio import from_dict, read_config_file, to_dict, write_config
+from clusterlm.configio import ConfigFile
 from clusterlm.engine import LATEST  # --resume without a value: OUT's newest checkpoint
 from clusterlm.readers import non_negative_int_arg, positive_int_arg, string_list_arg
 
@@ -39,21 +37,18 @@ _RANGES = (
     ("lora_dropout", 0.0, 1.0, True, False, "dropout of the LoRA inputs"),
     ("preemption_grace", 0.0, math.inf, True, False, "seconds to checkpoint after a preemption signal"),
 )
-_INTS = {"max_restarts": 0, "nnodes": 1, "epochs": 1, "max_steps": 1, "micro_batch_size": 1, "grad_accum": 1,
-         "warmup_steps": 0, "seed": 0, "lora_r": 0, "eval_every": 0, "eval_batch_size": 1, "eval_max_examples": 1,
-         "save_every": 0, "keep_checkpoints": 1, "log_every": 1, "nproc": 1, "threads": 1}
-
 
 def _opt(group: str, default: Any = None, **meta: Any) -> Any:
     return field(default=default, metadata={"group": group, **meta})
 
 
 def _int(group: str, default: int | None, low: int, **meta: Any) -> Any:
-    return _opt(group, default, parse=positive_int_arg if low == 1 else non_negative_int_arg, **meta)
+    # ``low``: the least value, read by the option's reader and by TrainConfig.check (for values set in Python)
+    return _opt(group, default, parse=positive_int_arg if low == 1 else non_negative_int_arg, low=low, **meta)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigFile):
     """Every setting of ``clusterlm train`` (:func:`clusterlm.train`); the command-line options are these fields.
 
     Attributes:
@@ -178,42 +173,12 @@ class TrainConfig:
     progress: bool = _opt(_LOG, True)
     report_to: tuple[str, ...] = _opt(_LOG, (), parse=string_list_arg, metavar="none|tensorboard|wandb")
 
+    COMMAND: ClassVar[str] = "train"
+
     def __post_init__(self) -> None:
         # A list (from YAML or Python) becomes a tuple, a comma string a tuple: the config stays hashable and frozen.
         if isinstance(self.report_to, (str, list)):
             object.__setattr__(self, "report_to", string_list_arg(self.report_to))
-
-    # -- files ---------------------------------------------------------------------------------------------
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with ``changes`` applied (``dataclasses.replace``).
-
-        Raises:
-            TypeError: a name that is not a field.
-        """
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (lists for tuples): what ``train_config.yaml`` holds."""
-        return to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "TrainConfig") -> TrainConfig:
-        """The config of a mapping of field names (an unknown name is refused, naming the closest field)."""
-        return from_dict(cls, data, where)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> TrainConfig:
-        """Read a YAML/JSON config file (e.g. ``OUT/train_config.yaml``).
-
-        Raises:
-            FileNotFoundError / ValueError: no such file, not YAML/JSON, an unknown key.
-        """
-        return from_dict(cls, read_config_file(path), f"--config {path}")
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the YAML file (atomically); the sha256 of its text."""
-        return write_config(self, Path(path), header="clusterlm train --config FILE (TrainConfig)")
 
     # -- checks --------------------------------------------------------------------------------------------
 
@@ -259,18 +224,18 @@ class TrainConfig:
             )
 
     def _check_types(self) -> None:
-        nullable = {f.name for f in dataclasses.fields(self) if f.default is None}
-        for name, low in _INTS.items():
-            value = getattr(self, name)
-            if value is None and name in nullable:
+        for f in dataclasses.fields(self):
+            if "low" not in f.metadata:
+                continue
+            name, low, value = f.name, f.metadata["low"], getattr(self, f.name)
+            if value is None and f.default is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"train: {name} must be an int >= {low}, got {value!r}.")
             if value < low:
                 raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be an int "
                                  f">= {low}.")
-        for name in ("lr", "warmup_ratio", "min_lr_ratio", "beta1", "beta2", "weight_decay", "max_grad_norm",
-                     "lora_dropout", "preemption_grace"):
+        for name, *_ in _RANGES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"train: {name} must be a number, got {value!r}.")
