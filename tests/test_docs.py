@@ -4,7 +4,7 @@ Code blocks. Every ```python / ```bash block of ``README.md`` and ``docs/*.md`` 
 fence, visibly in the source:
 
 * ``<!-- runnable -->``: run here, on the built-in tiny model and a slice of the demo data;
-* ``<!-- illustrative -->``: shown only (GPUs, other models, hours of compute, a placeholder model).
+* ``<!-- illustrative -->``: shown only (GPUs, other models, hours of compute, a model path of the reader's).
 
 The runnable blocks of one file run in order in one process (Python blocks share one namespace, as in a
 reader's session; shell blocks run with ``bash -euo pipefail``), all files in one shared working directory in
@@ -285,13 +285,17 @@ def test_quoted_repository_paths_exist() -> None:
     assert not problems, "\n".join(problems)
 
 
+# The team notes file outside the repository that code once cited (built from parts: this test is not a citation).
+OUTSIDE_NOTES = "DESIGN" + ".md"
+
+
 def test_nothing_cites_a_file_outside_the_repository() -> None:
     """The design lives in docs/design.md; no code or doc cites the notes file the project once pointed at."""
     offenders = [str(p.relative_to(REPO)) for p in _text_files()
-                 if p.name != "test_docs.py" and "DESIGN.md" in p.read_text(encoding="utf-8", errors="replace")]
+                 if OUTSIDE_NOTES in p.read_text(encoding="utf-8", errors="replace")]
     offenders += [str(p.relative_to(REPO)) for p in (REPO / "benchmarks" / "results").glob("*.json")
-                  if "DESIGN.md" in p.read_text(encoding="utf-8")]
-    assert not offenders, f"cite docs/design.md instead of DESIGN.md: {offenders}"
+                  if OUTSIDE_NOTES in p.read_text(encoding="utf-8")]
+    assert not offenders, f"cite docs/design.md instead of {OUTSIDE_NOTES}: {offenders}"
 
 
 # --------------------------------------------------------------------------------------------------

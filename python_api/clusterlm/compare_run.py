@@ -123,7 +123,7 @@ from clusterlm.store import FeatureStore
 from clusterlm.train_launch import train
 from clusterlm.train_loop import INITIAL_EVAL_EXAMPLES
 
-__all__ = ["EVAL_LOSSES", "STATE", "compare", "read_state", "selected_tokens", "selection_tokens"]
+__all__ = ["EVAL_LOSSES", "STATE", "compare", "read_state", "selected_tokens", "selection_threads", "selection_tokens"]
 
 STATE = "compare_state.jsonl"
 EVAL_LOSSES = "eval_losses.json"  # every unit's per-example held-out losses, next to compare.json
@@ -294,6 +294,12 @@ def _data_paths(config: CompareConfig, sets: list[EvalSet]) -> tuple[str, str]:
     return data_path, eval_path
 
 
+def selection_threads(config: CompareConfig) -> int:
+    """torch CPU threads of the selection: the CPU budget the training ranks have together (world size x threads
+    per rank; a rank's default is 1)."""
+    return max(1, (config.train.threads or 1) * config.world_size)
+
+
 @dataclass
 class _Session:
     """The model and data every unit shares, loaded once; :meth:`run_unit` selects, trains and records."""
@@ -322,7 +328,7 @@ class _Session:
         device = resolve_device(config.train.device)
         use_cuda = device.type == "cuda"
         if not use_cuda:
-            torch.set_num_threads(max(1, (config.train.threads or 1) * config.world_size))
+            torch.set_num_threads(selection_threads(config))
         # the selection model (features, S2L's and LESS's proxies), straight onto its device in --dtype
         t0 = time.perf_counter()
         model, tokenizer, model_id = load_model(config.model, device=device, dtype=config.dtype)
@@ -376,7 +382,7 @@ class _Session:
 
     def _timed_select(self, method: str, seed: int, store: Path | None = None) -> tuple[Any, float]:
         if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
-            torch.set_num_threads(max(1, (self.config.train.threads or 1) * self.config.world_size))
+            torch.set_num_threads(selection_threads(self.config))
         else:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -14,7 +14,6 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from clusterlm._io import atomic_write_text
 
@@ -100,9 +99,3 @@ class Progress:
             self._thread.join(timeout=2 * _INTERVAL)
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

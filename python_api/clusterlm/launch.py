@@ -59,7 +59,7 @@ from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env
 __all__ = ["AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo",
     "SpawnFailed", "all_gather_floats", "all_gather_objects", "barrier", "check_config_file", "exit_with_supervisor",
     "in_process_group", "init_distributed", "is_main", "pid_alive", "run_agent", "spawn", "spawn_with_config",
-    "strip_options", "torchrun_command", "under_torchrun"]
+    "torchrun_command", "under_torchrun"]
 
 # The -m entry points of the two multi-process commands.
 PACKAGE_ENTRY = "clusterlm"  # `python -m clusterlm <command>` on every rank (the package entry: no runpy warning)
@@ -124,20 +124,6 @@ def torchrun_command(
     else:
         cmd.append("--standalone")
     return [*cmd, "-m", module, *argv]
-
-
-def strip_options(argv: Sequence[str], options: Sequence[str]) -> list[str]:
-    """``argv`` without the value-taking ``options`` (``--opt VALUE`` and ``--opt=VALUE``): the launcher's own."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in options:
-            skip = True
-        elif not any(a.startswith(f"{o}=") for o in options):
-            out.append(a)
-    return out
 
 
 def spawn(

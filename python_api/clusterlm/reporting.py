@@ -44,7 +44,7 @@ class Reporters:
     """The writers of one run (rank 0 only; an empty ``report_to`` or ``("none",)`` makes it a no-op)."""
 
     def __init__(self, report_to: Sequence[str], out: Path, config: dict[str, Any], enabled: bool,
-                 resumed: bool = False) -> None:
+                 resumed_at: int = 0) -> None:
         self.writers: list[Any] = []
         self.run: Any = None
         if not enabled:
@@ -53,12 +53,14 @@ class Reporters:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step on a resumed run drops the events after the checkpoint, as metrics.jsonl is rewritten
-            self.writers.append(SummaryWriter(log_dir=str(out / TENSORBOARD_DIR)))
+            # a run resumed at step s drops the events after s, as metrics.jsonl is rewritten from the checkpoint
+            self.writers.append(SummaryWriter(log_dir=str(out / TENSORBOARD_DIR),
+                                              purge_step=resumed_at + 1 if resumed_at else None))
         if "wandb" in report_to:
             import wandb
 
-            self.run = wandb.init(name=Path(out).name, dir=str(out), config=config, resume="allow" if resumed else None,
+            self.run = wandb.init(name=Path(out).name, dir=str(out), config=config,
+                                  resume="allow" if resumed_at else None,
                                   project=os.environ.get("WANDB_PROJECT", "clusterlm"))
 
     def log(self, record: dict[str, Any]) -> None:

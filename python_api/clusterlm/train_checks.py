@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ __all__ = ["PlanBuilder", "baseline", "check_checkpoint_kind", "check_fsdp", "ch
            "plan_digest", "plan_world_size", "setup_distributed", "uses_fsdp", "verify_plan", "world_size_error"]
 
 # A baseline plan from the tokenised data: (spec, dataset, world_size, seed=) -> Plan.
-PlanBuilder = Any
+PlanBuilder = Callable[..., Plan]
 
 
 def plan_world_size(plan_dir: str | os.PathLike) -> int:

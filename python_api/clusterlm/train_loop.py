@@ -262,7 +262,7 @@ def start(run: Run) -> State:
     else:
         ckpt = resume(ckpt_path, setup=run.setup, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                       sampler=run.sampler, rank=di.rank, device=di.device, strict=config.lora_r == 0)
-        reporters = Reporters(config.report_to, run.out, config.to_dict(), di.is_main, resumed=True)
+        reporters = Reporters(config.report_to, run.out, config.to_dict(), di.is_main, resumed_at=int(ckpt["step"]))
         state = State(log=MetricsLog(run.out / METRICS, di.is_main, list(ckpt["metrics"]), sink=reporters.log),
                       reporters=reporters, step=int(ckpt["step"]),
                       epoch=int(ckpt["sampler"]["epoch"]), counters=dict(ckpt["counters"]),

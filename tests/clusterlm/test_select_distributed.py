@@ -33,10 +33,3 @@ def test_two_selection_processes_write_the_single_process_plan(demo, tmp_path):
     np.testing.assert_allclose(one.distances, two.distances, rtol=1e-5)
     assert one.fingerprint == two.fingerprint
     assert (tmp_path / "two" / "report.png").exists()
-
-
-def test_nproc_flag_is_not_passed_to_the_ranks():
-    from clusterlm.launch import strip_options
-
-    argv = ["--model", "m", "--nproc", "2", "--data", "d", "--nproc=3", "--out", "o"]
-    assert strip_options(argv, ("--nproc",)) == ["--model", "m", "--data", "d", "--out", "o"]

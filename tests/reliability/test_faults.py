@@ -22,6 +22,7 @@ import torch
 
 from clusterlm import cli
 from clusterlm.failures import first_failure
+from clusterlm.pipeline import STORE_KEY
 from clusterlm.preemption import PREEMPTED, PREEMPTED_EXIT
 
 STEPS, SAVE_EVERY = 40, 4
@@ -191,12 +192,15 @@ def test_select_killed_and_restarted_gives_the_same_plan(tiny, tmp_path):
     proc = subprocess.Popen(_cli(*base, "--out", str(out), "--max-restarts", "1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not list((out / "features").glob("shard_*.npy")):  # a rank stored a shard: kill the other mid-way
+    # the feature store is set up (its key file written): the ranks featurize now; kill one mid-way (on the tiny data
+    # the shards themselves can be stored and assembled faster than a poll sees them)
+    while not (out / "features" / STORE_KEY).exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.02)
+        time.sleep(0.01)
     os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
+    assert "restarting every rank" in err, err[-3000:]
     a, b = np.load(tmp_path / "ref" / "plan.npz"), np.load(out / "plan.npz")
     assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
 
