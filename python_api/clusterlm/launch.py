@@ -58,8 +58,8 @@ from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env
 
 __all__ = ["AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo",
     "SpawnFailed", "all_gather_floats", "all_gather_objects", "barrier", "check_config_file", "exit_with_supervisor",
-    "in_process_group", "init_distributed", "is_main", "pid_alive", "run_agent", "spawn", "spawn_with_config",
-    "torchrun_command", "under_torchrun"]
+    "in_process_group", "init_distributed", "is_main", "pid_alive", "process_stopped", "run_agent", "spawn",
+    "spawn_with_config", "torchrun_command", "under_torchrun"]
 
 # The -m entry points of the two multi-process commands.
 PACKAGE_ENTRY = "clusterlm"  # `python -m clusterlm <command>` on every rank (the package entry: no runpy warning)
@@ -269,6 +269,16 @@ def pid_alive(pid: int) -> bool:
 _watching: set[str] = set()
 
 
+def process_stopped(pid: int) -> bool:
+    """True while process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in ``/proc/PID/stat``;
+    False where there is no /proc or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")  # after "(comm)", which may hold spaces and parentheses
+
+
 def _watch(what: str, gone: Callable[[], bool], then: Callable[[], None]) -> None:
     """Run ``then()`` as soon as ``gone()`` (checked now and every WATCH_INTERVAL s, in a daemon thread)."""
     if what in _watching:
@@ -333,9 +343,11 @@ def _quiet_torchrun() -> None:
 def _report_restarts() -> None:
     """Make torch's elastic agent (in this process) say why it restarts the ranks, and not wait on stopped ones.
 
-    Two steps are wrapped: stopping the ranks first sends every rank SIGCONT (a stopped rank then takes the SIGTERM
-    that follows instead of holding the run until the timeout's SIGKILL), and when the monitor finds failed ranks
-    and a restart follows (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
+    Two steps are wrapped. Closing the ranks after one failed, a rank stopped by SIGSTOP is the hung one (the others
+    timed out waiting for it) and gets SIGKILL at once: continued, it would take the SIGTERM that follows as a
+    preemption and wait in a collective with the dead rank until the shutdown timeout. Closing them on a signal (a
+    preemption), a stopped rank is continued, so that it checkpoints with the others. And when a restart follows a
+    failure (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
     """
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
@@ -345,9 +357,11 @@ def _report_restarts() -> None:
     monitor, close = LocalElasticAgent._monitor_workers, SubprocessContext._close
 
     def closing(self: Any, *args: Any, **kwargs: Any) -> None:
-        for pid in self.pids().values():  # a stopped rank must run to take the signal that stops it
+        # a rank exited with an error (torch closes the others as soon as it sees one): a failed run, no preemption
+        failed = any(h.proc.poll() not in (None, 0) for h in self.subprocess_handlers.values())
+        for pid in self.pids().values():
             try:
-                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL if failed and process_stopped(pid) else signal.SIGCONT)
             except OSError:
                 pass
         close(self, *args, **kwargs)

@@ -22,6 +22,7 @@ import torch
 
 from clusterlm import cli
 from clusterlm.failures import first_failure
+from clusterlm.launch import process_stopped
 from clusterlm.pipeline import STORE_KEY
 from clusterlm.preemption import PREEMPTED, PREEMPTED_EXIT
 
@@ -221,3 +222,22 @@ def test_a_failed_start_leaves_no_out_directory(tiny, tmp_path, capsys):
                      "--out", str(sel), "--no-progress"]) == 2
     assert not sel.exists(), list(sel.rglob("*"))
     assert "invalid JSON" in capsys.readouterr().err
+
+
+def test_process_stopped_tells_a_stopped_process_from_a_running_one():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not process_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not process_stopped(proc.pid):
+            assert time.monotonic() < deadline, "SIGSTOP did not stop the process"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        while process_stopped(proc.pid):
+            assert time.monotonic() < deadline, "SIGCONT did not continue the process"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not process_stopped(proc.pid)  # gone
