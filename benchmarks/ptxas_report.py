@@ -8,7 +8,8 @@ own ``*_kernel_args`` functions on meta tensors of realistic shapes and speciali
 (``native_specialize_impl``: pointer alignment, integers divisible by 16, strides equal to 1), so what is compiled
 is what a GPU would compile. ptxas's ``-v`` report comes from Triton's own ptxas run (same flags).
 
-CUDA kernels: ``nvcc -Xptxas -v`` on every ``csrc/cuda/*.cu`` with the build's flags, for sm_80 and sm_90.
+CUDA kernels: ``nvcc -Xptxas -v`` on every ``csrc/cuda/*.cu`` with the build's flags (and the host compiler's
+``-Wall -Wextra``), sm_80 and sm_90 in one call per file, so its host code is compiled once.
 
 Results are cached per compile (``$CLUSTER_KERNELS_AOT_CACHE``, default ``~/.cache/cluster_kernels/aot``) under a
 key of the kernel source, signature, options, target and compiler versions, so a second run compiles nothing
@@ -40,7 +41,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ if str(REPO) not in sys.path:
 SMEM_LIMIT = {80: 166_912, 90: 232_448, 100: 232_448}
 TRITON_TARGETS = (80, 90, 100)
 CUDA_ARCHS = (80, 90)
+HOST_WARNINGS = ("-Xcompiler", "-Wall,-Wextra")  # our sources compile without a warning
 CACHE_ENV = "CLUSTER_KERNELS_AOT_CACHE"
 RESULT_PATH = REPO / "benchmarks" / "results" / "ptxas.json"
 
@@ -330,52 +332,84 @@ def cuda_sources() -> list[Path]:
     return sorted((REPO / "csrc" / "cuda").glob("*.cu"))
 
 
-def _nvcc_one(nvcc: str, src: Path, arch: int, cached: Path) -> list[dict[str, Any]]:
-    """One .cu for one arch with ``-Xptxas -v``; its functions' rows, also written to ``cached``."""
+def _arch_number(arch: str) -> int:
+    """``sm_90a`` -> 90."""
+    return int(re.sub(r"\D", "", arch))
+
+
+def _nvcc_one(nvcc: str, src: Path, archs: Sequence[int], cached: Path) -> dict[str, Any]:
+    """One .cu for every arch in one nvcc call (the host code is compiled once) with ``-Xptxas -v`` and the host
+    compiler's ``-Wall -Wextra``; its record (:func:`cuda_compiles`), also written to ``cached``.
+
+    Raises:
+        RuntimeError: nvcc fails (the message has the end of its output).
+    """
     from cluster_kernels._cuda_build import nvcc_command
 
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = nvcc_command(src, Path(tmp) / "k.o", [REPO / "csrc", sysconfig.get_paths()["include"]],
-                           nvcc=nvcc, archs=str(arch), extra=["-Xptxas", "-v"])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {src.name} for sm_{arch}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    funcs = parse_nvcc_ptxas(proc.stdout + proc.stderr)
+        obj = Path(tmp) / "k.o"
+        cmd = nvcc_command(src, obj, [REPO / "csrc", sysconfig.get_paths()["include"]], nvcc=nvcc,
+                           archs=";".join(str(a) for a in archs), extra=["-Xptxas", "-v", *HOST_WARNINGS])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {src.name} ({' '.join(cmd)}):\n{log[-4000:]}")
+        object_bytes = obj.stat().st_size if obj.exists() else 0
+    funcs = parse_nvcc_ptxas(log)
     names = _demangle([f["function"] for f in funcs])
-    found = [{**f, "file": src.name, "name": names[f["function"]], "target": arch} for f in funcs]
+    record = {
+        "file": src.name,
+        "rows": [{**f, "file": src.name, "name": names[f["function"]], "target": _arch_number(f["arch"])}
+                 for f in funcs],
+        "warnings": [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()],
+        "object_bytes": object_bytes,
+    }
     _cache_dir().mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(found))
-    return found
+    tmp_file = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp_file.write_text(json.dumps(record))
+    tmp_file.replace(cached)
+    return record
 
 
-def cuda_report(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dict[str, Any]]:
-    """Compile every .cu with the build's flags plus ``-Xptxas -v`` per arch; one row per function and arch.
+def cuda_compiles(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dict[str, Any]]:
+    """Compile every .cu as the build does, for every arch in ``archs``, with ``-Xptxas -v`` and the host
+    compiler's warnings on; one record per file: ``file``, ``rows`` (one per function and arch: registers,
+    spills, stack, static shared memory), ``warnings`` (lines of nvcc's output about our sources) and
+    ``object_bytes``. Cached like the Triton compiles (key: csrc/, nvcc's version, the archs and flags).
 
     Raises:
         RuntimeError: nvcc is missing or fails (the message has its output).
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster_kernels._cuda_build import find_nvcc
+    from cluster_kernels._cuda_build import NVCC_FLAGS, find_nvcc
 
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
+    archs = tuple(archs)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    tree = hashlib.sha256(version.encode())
+    tree = hashlib.sha256(f"{version}|{archs}|{NVCC_FLAGS}|{HOST_WARNINGS}".encode())
     for path in sorted((REPO / "csrc").rglob("*")):
         if path.is_file():
             tree.update(path.name.encode() + path.read_bytes())
     todo = []
     for src in cuda_sources():
-        for arch in archs:
-            key = hashlib.sha256(f"{tree.hexdigest()}-{src.name}-{arch}".encode()).hexdigest()
-            todo.append((src, arch, _cache_dir() / f"cuda-{key}.json"))
-    rows: list[dict[str, Any]] = []
+        key = hashlib.sha256(f"{tree.hexdigest()}-{src.name}".encode()).hexdigest()
+        todo.append((src, _cache_dir() / f"cuda-{key}.json"))
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # nvcc runs in subprocesses
-        futures = [None if c.exists() else pool.submit(_nvcc_one, nvcc, src, arch, c) for src, arch, c in todo]
-        for (_, _, cached), fut in zip(todo, futures, strict=True):
-            rows += json.loads(cached.read_text()) if fut is None else fut.result()
+        futures = [None if c.exists() else pool.submit(_nvcc_one, nvcc, src, archs, c) for src, c in todo]
+        return [json.loads(cached.read_text()) if fut is None else fut.result()
+                for (_, cached), fut in zip(todo, futures, strict=True)]
+
+
+def cuda_report(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dict[str, Any]]:
+    """The rows of :func:`cuda_compiles` (one per function and arch), every file's together.
+
+    Raises:
+        RuntimeError: nvcc is missing or fails (the message has its output).
+    """
+    rows = [r for rec in cuda_compiles(archs, workers) for r in rec["rows"]]
     names = _demangle(sorted({r["function"] for r in rows}))  # cached rows get today's readable names too
     return [{**r, "name": names[r["function"]]} for r in rows]
 

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,15 @@ _LAUNCHER_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)
                      int(getattr(signal, "SIGUSR1", 10))}
 
 
-def first_failure(failures: Mapping[int, Any]) -> tuple[str, int]:
+def first_failure(failures: Mapping[int, Any], stopped_by_launcher: Collection[int] = ()) -> tuple[str, int]:
     """The line and exit status that report a failed run: the rank that failed first, how, its last lines of stderr,
     and that the others were stopped.
 
     Args:
         failures: global rank -> torch's ``ProcessFailure`` (``exitcode``, ``pid``, ``error_file``,
             ``error_file_data``, ``timestamp``).
+        stopped_by_launcher: pids the launcher itself killed while closing a failed run (a rank stopped by SIGSTOP:
+            :func:`clusterlm.launch.run_agent`); like the ranks it ended with SIGTERM, never the cause.
 
     The cause is, in this order: a rank killed by a signal that the launcher does not send (SIGKILL, SIGSEGV, ...:
     it could not report, and the others' reports only notice the lost peer), the earliest; else the rank that
@@ -52,7 +54,8 @@ def first_failure(failures: Mapping[int, Any]) -> tuple[str, int]:
     # than the first report (then the agent itself killed it, after it would not stop).
     first_report_s = min(reported)[0] / 1e9 if reported else float("inf")
     killed = [(f.timestamp, rank) for rank, f in failures.items()
-              if f.exitcode < 0 and -f.exitcode not in _LAUNCHER_SIGNALS and not _report_of(f)
+              if f.exitcode < 0 and -f.exitcode not in _LAUNCHER_SIGNALS and f.pid not in stopped_by_launcher
+              and not _report_of(f)
               and f.timestamp <= first_report_s + 1]
     others = len(failures) - 1
     stopped = f"; the other {others} failed rank(s) were stopped after it" if others else ""

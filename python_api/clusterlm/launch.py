@@ -340,6 +340,9 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+_KILLED_STOPPED: set[int] = set()  # pids of stopped ranks the agent in this process killed (not a run's cause)
+
+
 def _report_restarts() -> None:
     """Make torch's elastic agent (in this process) say why it restarts the ranks, and not wait on stopped ones.
 
@@ -361,7 +364,11 @@ def _report_restarts() -> None:
         failed = any(h.proc.poll() not in (None, 0) for h in self.subprocess_handlers.values())
         for pid in self.pids().values():
             try:
-                os.kill(pid, signal.SIGKILL if failed and process_stopped(pid) else signal.SIGCONT)
+                if failed and process_stopped(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    _KILLED_STOPPED.add(pid)
+                else:
+                    os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
         close(self, *args, **kwargs)
@@ -371,7 +378,7 @@ def _report_restarts() -> None:
         if result.is_failed():
             remaining, total = self._remaining_restarts, worker_group.spec.max_restarts
             if remaining > 0 and result.failures:
-                line, _ = first_failure(result.failures)
+                line, _ = first_failure(result.failures, _KILLED_STOPPED)
                 print(f"{line}; restarting every rank from the latest checkpoint (restart {total - remaining + 1} "
                       f"of {total})", file=sys.stderr, flush=True)
         return result
@@ -410,7 +417,7 @@ def run_agent(argv: Sequence[str]) -> int:
     try:
         run(parse_args(list(argv)))
     except ChildFailedError as e:
-        line, code = first_failure(e.failures)
+        line, code = first_failure(e.failures, _KILLED_STOPPED)
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as e:

@@ -3,9 +3,10 @@
 Triton: both kernels, every GPU autotune config their prune hooks keep for the default featurization paths
 (lm-head 32 x 32 and the paper proxy; all-linear 16 x 16 and 64 x 64; the lm-head features' own 32 x 32
 reduction), float32 and bfloat16, for sm_80, sm_90 and sm_100 (when the installed Triton compiles for it).
-CUDA: every ``csrc/cuda/*.cu`` for sm_80 and sm_90. Fails on a compile error, on shared memory above a
-target's limit, on a key for which every config spills registers, and on a CUDA kernel of ours that spills
-(CUB / Thrust kernels the files instantiate are reported, not held to it).
+CUDA: every ``csrc/cuda/*.cu`` for sm_80 and sm_90 (one nvcc call per file, host warnings on). Fails on a
+compile error, on a warning of the host compiler in our sources, on shared memory above a target's limit, on a
+key for which every config spills registers, and on a CUDA kernel of ours that spills (CUB / Thrust kernels the
+files instantiate are reported, not held to it).
 
 The compiles run in worker processes (``benchmarks/ptxas_report.py``; ``CLUSTER_KERNELS_AOT_WORKERS``, default 2)
 and their reports are cached in ``~/.cache/cluster_kernels/aot`` under a key of the kernel source, signature,
@@ -42,12 +43,20 @@ def triton_rows() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cuda_rows() -> list[dict]:
+def cuda_compiles() -> dict[str, dict]:
+    """Every .cu compiled once, for sm_80 and sm_90 (one record per file: rows, warnings, object size)."""
     from cluster_kernels._cuda_build import find_nvcc
 
     if find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
-    return ptxas_report.cuda_report(ptxas_report.CUDA_ARCHS, int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
+    records = ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS,
+                                         int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
+    return {rec["file"]: rec for rec in records}
+
+
+@pytest.fixture(scope="module")
+def cuda_rows(cuda_compiles: dict[str, dict]) -> list[dict]:
+    return [r for rec in cuda_compiles.values() for r in rec["rows"]]
 
 
 @needs_triton_nvidia
@@ -84,6 +93,15 @@ def test_the_default_featurization_paths_have_no_spilling_config(triton_rows):
         if not r.get("error") and r["spill_stores"] > 0
     ]
     assert not spilling, "\n".join(spilling)
+
+
+@pytest.mark.parametrize("source", [p.name for p in ptxas_report.cuda_sources()])
+def test_cuda_source_compiles_without_warnings_of_ours(source: str, cuda_compiles: dict[str, dict]) -> None:
+    """Each .cu file setup.py builds compiles with the build's flags (machine code for sm_80 and sm_90, PTX of
+    sm_90), and the host compiler's -Wall -Wextra finds nothing in our sources."""
+    rec = cuda_compiles[source]
+    assert rec["object_bytes"] > 0, f"{source}: nvcc wrote no object file"
+    assert not rec["warnings"], f"warnings in our sources ({source}):\n" + "\n".join(rec["warnings"])
 
 
 def test_cuda_kernels_do_not_spill(cuda_rows):

@@ -180,6 +180,10 @@ def test_the_first_failure_is_the_killed_rank_not_the_survivor_the_launcher_stop
     # the agent killed rank 1 itself, 30 s after rank 0 reported (it would not stop): rank 0's report is the cause
     forced = {0: failures[0], 1: _Failure(exitcode=-9, pid=11, timestamp=32.0, error_file="", error_file_data={})}
     assert first_failure(forced)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
+    # the agent killed a stopped rank 1 at once (0.5 s after rank 0 reported): named as stopped by it, not the cause
+    hung = {0: failures[0], 1: _Failure(exitcode=-9, pid=11, timestamp=3.0, error_file="", error_file_data={})}
+    assert first_failure(hung)[0].startswith("clusterlm: rank 1 (pid 11) was killed by signal 9")
+    assert first_failure(hung, stopped_by_launcher={11})[0].startswith("clusterlm train: error (rank 0 of 2)")
     reported = {0: failures[0], 1: _Failure(exitcode=1, pid=11, timestamp=0.5, error_file="", error_file_data={})}
     assert first_failure(reported)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
 
