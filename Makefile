@@ -25,8 +25,11 @@ install: $(VENV)/.native
 demo: install
 	$(PY) -m clusterlm demo
 
+# Two pytest-xdist workers (the machine's two cores; the 2-rank tests start their own processes): each test module
+# runs whole on one worker (--dist loadfile: module fixtures, such as one reference training run, are made once).
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The documentation site (guides + API reference from the docstrings) into build/site; strict: a broken link fails.
 docs: install

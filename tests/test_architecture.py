@@ -577,3 +577,11 @@ def test_the_namespace_rule_catches_planted_violations(tmp_path):
     planted.write_text("def f(config: 'TrainConfig', args: list[str], *args2: Any) -> None:\n    pass\n\n\n"
                        "def g(*args: Any) -> None:\n    pass\n")
     assert namespace_uses(planted) == []
+
+
+def test_the_longest_modules_named_for_the_test_order_exist():
+    """tests/conftest.py orders the longest modules first for the two xdist workers: a renamed one must follow."""
+    from conftest import LONGEST_MODULES
+
+    missing = [m for m in LONGEST_MODULES if not (REPO / m).is_file()]
+    assert not missing, f"tests/conftest.py LONGEST_MODULES names modules that do not exist: {missing}"
