@@ -583,5 +583,5 @@ def test_the_longest_modules_named_for_the_test_order_exist():
     """tests/conftest.py orders the longest modules first for the two xdist workers: a renamed one must follow."""
     from conftest import LONGEST_MODULES
 
-    missing = [m for m in LONGEST_MODULES if not (REPO / m).is_file()]
+    missing = [m for m in LONGEST_MODULES if not (ROOT / m).is_file()]
     assert not missing, f"tests/conftest.py LONGEST_MODULES names modules that do not exist: {missing}"
