@@ -26,10 +26,11 @@ demo: install
 	$(PY) -m clusterlm demo
 
 # Two pytest-xdist workers (the machine's two cores; the 2-rank tests start their own processes): each test module
-# runs whole on one worker (--dist loadfile: module fixtures, such as one reference training run, are made once).
+# runs whole on one worker (--dist loadfile: module fixtures, such as one reference training run, are made once),
+# in tests/conftest.py's order (--no-loadscope-reorder: the longest modules first).
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The documentation site (guides + API reference from the docstrings) into build/site; strict: a broken link fails.
 docs: install

@@ -171,7 +171,7 @@ setup(
             "mkdocs-material>=9.5",
             "mkdocstrings[python]>=0.26",
             "pytest>=8",
-            "pytest-xdist>=3.5",  # `make test` runs the suite on 2 workers, one test module per worker at a time
+            "pytest-xdist>=3.6",  # `make test`: 2 workers, one test module per worker at a time, in the order given
             "hypothesis>=6.100",
             "scipy>=1.11",
             "scikit-learn>=1.4",
