@@ -7,8 +7,11 @@ Triton kernels with numpy (small fp32 shapes only).
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -60,3 +63,16 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
 
     items[:] = sorted(items, key=rank)  # stable: the order within a module and among the others stays
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The demo data set built through the default root (``$CLUSTERLM_HOME/demo-v1``), once per test session:
+    ``CLUSTERLM_HOME`` points at a session temporary directory while it is in use (the documentation's blocks and
+    the spawned ranks inherit it), so nothing is written to ``~/.cache/clusterlm``."""
+    from clusterlm.demo import demo_data
+
+    home = tmp_path_factory.mktemp("clusterlm_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CLUSTERLM_HOME", str(home))
+        yield demo_data(verbose=False)

@@ -174,10 +174,10 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="session")
-def doc_workdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """One working directory for every doc file, with the README's data block run (train.jsonl, heldout.jsonl)."""
-    home = Path(os.environ["CLUSTERLM_HOME"]) if os.environ.get("CLUSTERLM_HOME") else \
-        tmp_path_factory.mktemp("clusterlm_home")
+def doc_workdir(tmp_path_factory: pytest.TempPathFactory, demo) -> tuple[Path, Path]:
+    """One working directory for every doc file, with the README's data block run (train.jsonl, heldout.jsonl),
+    in the session's ``CLUSTERLM_HOME`` (tests/conftest.py: the demo data and built-in models built once)."""
+    home = Path(os.environ["CLUSTERLM_HOME"])
     workdir = tmp_path_factory.mktemp("doc_blocks")
     data_block = next(b for b in parse_blocks(REPO / "README.md")
                       if b.mark == "runnable" and b.kind == "python" and "demo_data" in b.code)

@@ -197,10 +197,8 @@ _agent_here = False  # agent_in_this_process(): spawn() runs torch's agent in th
 
 @contextlib.contextmanager
 def agent_in_this_process() -> Iterator[None]:
-    """Within it, :func:`spawn` runs torch's agent in this process instead of a child process: for a process whose
-    only job is the run (``clusterlm train`` / ``select`` on the command line), one Python start-up less per run.
-    Elsewhere (a notebook, a training script, ``compare``'s many runs) the agent stays in its own process, so its
-    signal handlers and loggers never touch the caller's."""
+    """Within it, :func:`spawn` runs torch's agent in this process, not a child: one Python start-up less, for a process
+    whose only job is the run (``clusterlm train`` / ``select``); a library caller's handlers stay untouched."""
     global _agent_here
     saved, _agent_here = _agent_here, True
     try:
@@ -210,8 +208,7 @@ def agent_in_this_process() -> Iterator[None]:
 
 
 def _run_agent_here(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    """:func:`run_agent` in this process with ``env`` as the environment the ranks inherit; this process's
-    environment and the handlers of the signals torch's agent takes over are restored afterwards."""
+    """:func:`run_agent` here, ``env`` being the ranks' environment; ours and our signal handlers restored after."""
     signals = [getattr(signal, name) for name in FORWARDED_SIGNALS.split(",") if hasattr(signal, name)]
     handlers = {sig: signal.getsignal(sig) for sig in signals}
     saved_env = dict(os.environ)

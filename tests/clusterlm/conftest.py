@@ -1,5 +1,5 @@
-"""Fixtures of the data/demo/model tests: one demo build per test session, in a temporary home, and the tiny
-Llama of the baseline tests (one per module).
+"""Fixtures of the data/demo/model tests: the demo (tests/conftest.py: one build per test session, in a temporary
+home), its tokenizer and subsets, and the tiny Llama of the baseline tests (one per module).
 
 ``CLUSTERLM_HOME`` points at a session temporary directory while these fixtures are in use, so nothing is
 written to ``~/.cache/clusterlm`` and the default-root code path (no ``root`` argument) is what builds it.
@@ -8,7 +8,6 @@ written to ``~/.cache/clusterlm`` and the default-root code path (no ``root`` ar
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,17 +32,6 @@ def tiny_model() -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The demo data set built through the default root (``$CLUSTERLM_HOME/demo-v1``)."""
-    from clusterlm.demo import demo_data
-
-    home = tmp_path_factory.mktemp("clusterlm_home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CLUSTERLM_HOME", str(home))
-        yield demo_data(verbose=False)
 
 
 @pytest.fixture(scope="session")
