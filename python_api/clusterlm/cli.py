@@ -27,7 +27,7 @@ from clusterlm.config import SelectConfig
 from clusterlm.data import CHAT_TEMPLATE_MODES
 from clusterlm.export import export_files
 from clusterlm.failures import report_failure, reported_by_launcher, tee_stderr
-from clusterlm.launch import SpawnFailed, agent_in_this_process, check_config_file, under_torchrun
+from clusterlm.launch import SpawnFailed, check_config_file, under_torchrun
 from clusterlm.options import ConfigArgumentParser, parse_config
 from clusterlm.pipeline import SelectJob, run_select
 from clusterlm.preemption import PREEMPTED_EXIT, Preempted
@@ -99,18 +99,14 @@ def compare_config(values: dict[str, Any]) -> CompareConfig:
 
 
 def cmd_select(values: dict[str, Any], debug: bool) -> int:
-    """``clusterlm select`` (``--nproc N``: torch's agent runs in this process, which has no other job)."""
-    with agent_in_this_process():
-        run_select(select_job(values, debug))
+    run_select(select_job(values, debug))
     return 0
 
 
 def cmd_train(values: dict[str, Any], debug: bool) -> int:
     """``clusterlm train`` (errors: :func:`main`'s map; in a rank of ``--nproc N`` every failure is one line that
-    the launcher prints for the rank that failed first, :func:`clusterlm.launch.report_failure`; torch's agent
-    runs in this process, which has no other job)."""
-    with agent_in_this_process():
-        train(TrainConfig(**values))
+    the launcher prints for the rank that failed first, :func:`clusterlm.launch.report_failure`)."""
+    train(TrainConfig(**values))
     return 0
 
 

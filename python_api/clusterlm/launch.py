@@ -34,7 +34,6 @@ without a group.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import math
@@ -44,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -59,7 +58,7 @@ from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env
 
 __all__ = [
     "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
-    "agent_in_this_process", "all_gather_floats", "all_gather_objects", "barrier", "check_config_file",
+    "all_gather_floats", "all_gather_objects", "barrier", "check_config_file",
     "exit_with_supervisor", "in_process_group", "init_distributed", "is_main", "pid_alive", "process_stopped",
     "run_agent", "spawn", "spawn_with_config", "torchrun_command", "under_torchrun",
 ]
@@ -174,8 +173,6 @@ def spawn(
     else:
         torchrun = torchrun_command(argv, nproc, module=module, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                     rdzv_id=rdzv_id, max_restarts=max_restarts, shutdown_timeout=shutdown_timeout)
-        if _agent_here and threading.current_thread() is threading.main_thread():
-            return _run_agent_here(torchrun[3:], full_env)
         cmd = [sys.executable, "-c", _AGENT_CODE, *torchrun[3:]]  # torchrun[:3]: python -m torch.distributed.run
     proc = subprocess.Popen(cmd, env=full_env)
     restore = _forward_signals(proc)
@@ -190,37 +187,6 @@ def spawn(
     finally:
         restore()
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
-
-
-_agent_here = False  # agent_in_this_process(): spawn() runs torch's agent in this process
-
-
-@contextlib.contextmanager
-def agent_in_this_process() -> Iterator[None]:
-    """Within it, :func:`spawn` runs torch's agent in this process, not a child: one Python start-up less, for a process
-    whose only job is the run (``clusterlm train`` / ``select``); a library caller's handlers stay untouched."""
-    global _agent_here
-    saved, _agent_here = _agent_here, True
-    try:
-        yield
-    finally:
-        _agent_here = saved
-
-
-def _run_agent_here(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    """:func:`run_agent` here, ``env`` being the ranks' environment; ours and our signal handlers restored after."""
-    signals = [getattr(signal, name) for name in FORWARDED_SIGNALS.split(",") if hasattr(signal, name)]
-    handlers = {sig: signal.getsignal(sig) for sig in signals}
-    saved_env = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        return run_agent(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _forward_signals(proc: subprocess.Popen) -> Callable[[], None]:
@@ -434,7 +400,7 @@ def run_agent(argv: Sequence[str]) -> int:
         The exit status: 0, the first failure's status, or 128 + N when signal N stopped the run.
     """
     launcher = env_pid(LAUNCHER_PID_ENV)
-    if launcher is not None and launcher != os.getpid():  # the launcher itself runs the agent: nothing to watch
+    if launcher is not None:
         _die_with_launcher(launcher)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     saved = os.environ.get("LOGLEVEL")

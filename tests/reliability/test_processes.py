@@ -322,25 +322,3 @@ def test_bad_trainer_arguments_are_refused_before_any_model_loads(tiny, tmp_path
     assert rc == 2, err
     assert len(nonblank_lines(err)) == 1 and err.startswith("clusterlm train: error:") and says in err, err
     assert elapsed < 3
-
-
-def test_the_command_line_runs_torchs_agent_in_its_own_process_and_restores_it(tiny, tmp_path, monkeypatch):
-    """``clusterlm train --nproc 2``: the ranks are children of the command's process (no agent process between),
-    and afterwards its environment and signal handlers are as before (torch's agent replaces both while it runs)."""
-    monkeypatch.setenv("CLUSTERLM_TEST_MARK", "kept")
-    parents = []
-    real_run_agent = launch.run_agent
-
-    def run_agent(argv):
-        parents.append(os.getpid())
-        assert os.environ.get("OMP_NUM_THREADS") and os.environ[launch.LAUNCHER_PID_ENV] == str(os.getpid())
-        return real_run_agent(argv)
-
-    monkeypatch.setattr(launch, "run_agent", run_agent)
-    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    out = tmp_path / "run"
-    assert run_cli(["train", *tiny.argv(out, "--nproc", "2", "--max-steps", "2")]) == 0
-    assert parents == [os.getpid()] and (out / METRICS).is_file()
-    assert dict(os.environ) == env
-    assert {s: signal.getsignal(s) for s in handlers} == handlers
-    assert not launch._agent_here  # only within the command
