@@ -206,6 +206,14 @@ def _cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cluster_kernels" / "aot")
 
 
+def _cache(path: Path, result: Any) -> None:
+    """Store a compile's result under its key (complete or not at all: the workers write side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+
+
 def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     """Compile one job for its target; returns the ptxas numbers, Triton's shared memory, or the error."""
     import triton
@@ -232,10 +240,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         res = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"}
     res["seconds"] = round(time.perf_counter() - t0, 2)
     if res["error"] is None:
-        _cache_dir().mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(res))
-        tmp.replace(cached)
+        _cache(cached, res)
     return {**res, "cached": False}
 
 
@@ -364,10 +369,7 @@ def _nvcc_one(nvcc: str, src: Path, archs: Sequence[int], cached: Path) -> dict[
         "warnings": [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()],
         "object_bytes": object_bytes,
     }
-    _cache_dir().mkdir(parents=True, exist_ok=True)
-    tmp_file = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp_file.write_text(json.dumps(record))
-    tmp_file.replace(cached)
+    _cache(cached, record)
     return record
 
 
