@@ -48,7 +48,6 @@ from clusterlm.fsdp import (
 )
 from clusterlm.launch import DistInfo
 from clusterlm.loss import per_example_loss, weighted_loss
-from clusterlm.train_config import LATEST
 
 __all__ = [
     "CKPT_DIR", "CKPT_VERSION", "EVAL_EXAMPLES", "LATEST", "answer_losses", "autocast", "build_optimizer",
@@ -60,6 +59,7 @@ __all__ = [
 
 CKPT_DIR = "ckpt"
 EVAL_EXAMPLES = "eval_examples.json"  # the latest evaluation's per-example losses (written by the trainer)
+LATEST = "latest"
 CKPT_VERSION = 1
 
 

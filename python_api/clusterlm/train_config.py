@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from clusterlm.configio import ConfigFile
+from clusterlm.engine import LATEST  # --resume without a value: OUT's newest checkpoint
 from clusterlm.readers import non_negative_int_arg, positive_int_arg, string_list_arg
 
 __all__ = ["LATEST", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
-
-LATEST = "latest"  # --resume without a value: OUT's newest checkpoint (the pointer file ckpt/latest names it)
 
 TRAIN_CONFIG = "train_config.yaml"  # the resolved config, next to the run's outputs
 REPORT_TO = ("none", "tensorboard", "wandb")
