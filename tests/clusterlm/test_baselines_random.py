@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_cases import random_examples
 
 from clusterlm.baselines import baseline_plan, full_plan, is_baseline_spec, random_plan
 from clusterlm.data import fingerprint
@@ -11,15 +12,7 @@ from clusterlm.plan import Plan
 
 
 def _examples(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        t = int(rng.integers(6, 300))
-        ids = rng.integers(0, 1000, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 3] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return random_examples(n, seed, lengths=(6, 300), ids=(0, 1000), prompt_div=3)
 
 
 def _check_baseline(plan: Plan, data: list, world_size: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_cases import random_examples
 
 from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
@@ -28,16 +29,8 @@ def _fingerprint_scheme(examples) -> dict:
     return {"size": len(examples), "sha256": digest.hexdigest()}
 
 
-def _examples(n: int, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        t = int(rng.integers(3, 12))
-        ids = rng.integers(0, 100, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 2] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+def _examples(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    return random_examples(n, seed, lengths=(3, 12), ids=(0, 100), prompt_div=2)
 
 
 class _Data:

@@ -15,17 +15,24 @@ from clusterlm.compare_config import CompareConfig
 IGNORE = -100
 
 
-def baseline_examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``n`` examples of 8..39 tokens (vocabulary 97), the first third of each a prompt (labels -100)."""
+def random_examples(n: int, seed: int = 0, *, lengths: tuple[int, int] = (8, 40), ids: tuple[int, int] = (1, 97),
+                    prompt_div: int = 3) -> list[dict[str, np.ndarray]]:
+    """``n`` tokenised examples of random lengths in ``[lengths)`` and token ids in ``[ids)``; the first
+    ``1 / prompt_div`` of each is the prompt (labels -100)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        t = int(rng.integers(8, 40))
-        ids = rng.integers(1, 97, size=t).astype(np.int64)
-        labels = ids.copy()
-        labels[: t // 3] = IGNORE
-        out.append({"input_ids": ids, "labels": labels})
+        t = int(rng.integers(*lengths))
+        tokens = rng.integers(*ids, size=t).astype(np.int64)
+        labels = tokens.copy()
+        labels[: t // prompt_div] = IGNORE
+        out.append({"input_ids": tokens, "labels": labels})
     return out
+
+
+def baseline_examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """``n`` examples of 8..39 tokens (vocabulary 97), the first third of each a prompt (labels -100)."""
+    return random_examples(n, seed)
 
 
 def run_compare(config: CompareConfig) -> int:
