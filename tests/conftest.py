@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# pytest-xdist runs as many workers as cores (`make test`): one OpenMP / torch thread per worker per core. The default
+# (a thread per core in every worker) oversubscribes the cores, and OpenMP threads that spin-wait for a busy core
+# made the in-process tests 2x slower in CPU time (test_kmeans.py on 2 workers: 90 -> 47 CPU-s). Set before torch and
+# the native module load their OpenMP runtimes; the processes the tests start inherit it; a test that is about
+# thread counts sets its own.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)))
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -69,10 +79,13 @@ def pytest_collection_modifyitems(config, items):
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The demo data set built through the default root (``$CLUSTERLM_HOME/demo-v1``), once per test session:
     ``CLUSTERLM_HOME`` points at a session temporary directory while it is in use (the documentation's blocks and
-    the spawned ranks inherit it), so nothing is written to ``~/.cache/clusterlm``."""
+    the spawned ranks inherit it), so nothing is written to ``~/.cache/clusterlm``. The pytest-xdist workers share
+    it (their temporary directories' parent): the first builds, under the demo's lock, and the others reuse it."""
     from clusterlm.demo import demo_data
 
-    home = tmp_path_factory.mktemp("clusterlm_home")
+    base = tmp_path_factory.getbasetemp()
+    home = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "clusterlm_home"
+    home.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CLUSTERLM_HOME", str(home))
         yield demo_data(verbose=False)

@@ -257,7 +257,8 @@ class CompareConfig(ConfigFile):
         less_epochs: epochs of LESS's LoRA warm-up.
         less_dim: LESS's projected gradient dimension.
         train: the training settings of every unit (clusterlm train's; plan, data, out, seed and the evaluation
-            set are compare's per unit).
+            set are compare's per unit): a mapping over compare's defaults (:func:`compare_train_defaults`;
+            ``{"max_steps": 5}`` is ``--max-steps 5``), or a whole :class:`TrainConfig`, used as it is.
     """
 
     data: str | None = None

@@ -4,7 +4,7 @@ Run, from Python::
 
     import clusterlm
     result = clusterlm.compare(clusterlm.CompareConfig(methods=("random", "cluster"), seeds=(0, 1),
-                                                       train=clusterlm.TrainConfig(max_steps=20)))
+                                                       train={"max_steps": 20}))
     print(result.markdown())
 
 or from the shell::

@@ -16,6 +16,7 @@ import pytest
 
 import clusterlm
 from clusterlm import cli
+from clusterlm.options import parse_config
 from clusterlm.reporting import TENSORBOARD_DIR, check_report_to
 
 MAX_LENGTH = 96  # = small_sft.max_length (tests/clusterlm/conftest.py)
@@ -144,3 +145,18 @@ def test_compare_from_python_equals_compare_from_a_config_file(small_sft, tmp_pa
     assert result.markdown().startswith("Comparison at ratio(s) 0.5") and result.to_json().startswith("{")
     assert clusterlm.CompareConfig.load(tmp_path / "b" / "compare_config.yaml") == clusterlm.CompareConfig.from_dict(
         settings(tmp_path / "b")).replace(n_validation=0)
+
+
+def test_a_train_mapping_in_python_is_the_command_lines_training_settings():
+    """``CompareConfig(train={"max_steps": 5})`` is ``clusterlm compare --max-steps 5`` (compare's training defaults
+    underneath, so the same records are reused); a whole ``TrainConfig`` is taken as it is."""
+    argv = ["--data", "train.jsonl", "--eval-data", "heldout.jsonl", "--methods", "random,cluster", "--seeds", "1",
+            "--max-steps", "5", "--out", "cmp/"]
+    from_cli = cli.compare_config(parse_config(cli.compare_parser(), argv))
+    from_python = clusterlm.CompareConfig(data="train.jsonl", eval_data=["heldout.jsonl"],
+                                          methods=["random", "cluster"], seeds=[0], out="cmp/",
+                                          train={"max_steps": 5})
+    assert from_python == from_cli
+    assert from_python.train.warmup_ratio == 0.03 and from_python.train.threads == 1
+    whole = from_python.replace(train=clusterlm.TrainConfig(max_steps=5))
+    assert whole.train == clusterlm.TrainConfig(max_steps=5) != from_cli.train

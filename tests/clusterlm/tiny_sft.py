@@ -162,7 +162,9 @@ def run_two_ranks(script: str, tmp_path: Path, *args: str, timeout: int = 300) -
 
     path = tmp_path / "ranks_script.py"
     path.write_text(script)
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a segfault in a collective) prints every thread's stack
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+               PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     # own session: on a timeout the launcher and both workers are killed together, no orphans
     proc = subprocess.Popen(
@@ -176,5 +178,6 @@ def run_two_ranks(script: str, tmp_path: Path, *args: str, timeout: int = 300) -
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail("2-process run timed out:\n" + log[-4000:])
-    assert proc.returncode == 0, log[-6000:]
+    fatal = log.find("Fatal Python error")  # the dead rank's stacks come before the survivor's long traceback
+    assert proc.returncode == 0, (log[fatal: fatal + 4000] + "\n[...]\n" if fatal >= 0 else "") + log[-6000:]
     return log
