@@ -75,6 +75,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(items, key=rank)  # stable: the order within a module and among the others stays
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """A test, and the library code it runs, leaves torch's thread count as it found it: a leaked count (compare
+    failing mid-way once left it at the world size) oversubscribes the cores for every later test and for a user's
+    session."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"torch.get_num_threads() is {after} after the test, {before} before: the code under test "
+                    "changed it without restoring it")
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The demo data set built through the default root (``$CLUSTERLM_HOME/demo-v1``), once per test session:

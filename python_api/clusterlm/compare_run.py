@@ -237,16 +237,18 @@ def compare(config: CompareConfig) -> CompareResult:
           "ratio(s); "
           f"{len(done)} done earlier (in {state_path}), {len(todo)} to run")
     if todo:
-        saved_threads = torch.get_num_threads()
-        session = _Session.load(config, eval_sets, data_path, eval_path, work=out)
-        session.check_budgets()
-        for ratio, method, seed in todo:
-            run_dir = out / "runs" / _run_name(ratio, method, seed)
-            record = {"key": keys[ratio], "ratio": ratio,
-                      **session.run_unit(method, seed, run_dir, done, ratio=ratio, store_root=out / FEATURES)}
-            _append_state(state_path, record)
-            done[(ratio, method, seed)] = record
-        torch.set_num_threads(saved_threads)
+        saved_threads = torch.get_num_threads()  # the selection sets its own; the caller's is restored, error or not
+        try:
+            session = _Session.load(config, eval_sets, data_path, eval_path, work=out)
+            session.check_budgets()
+            for ratio, method, seed in todo:
+                run_dir = out / "runs" / _run_name(ratio, method, seed)
+                record = {"key": keys[ratio], "ratio": ratio,
+                          **session.run_unit(method, seed, run_dir, done, ratio=ratio, store_root=out / FEATURES)}
+                _append_state(state_path, record)
+                done[(ratio, method, seed)] = record
+        finally:
+            torch.set_num_threads(saved_threads)
     records = [done[u] for u in wanted]
     result = build_result(list(config.methods), list(config.seeds), config.all_ratios, settings, keys, records,
                           eval_meta)
