@@ -30,9 +30,9 @@ def _run(cmd: list[str], out: Path) -> list[dict]:
     return [r for r in records if r.get("kind") == "train"]
 
 
-def test_accelerate_launch_trains_like_torchrun(demo, tmp_path):
+def test_accelerate_launch_trains_like_torchrun(small_sft, tmp_path):
     bindir = Path(sys.executable).parent
-    train = ["--plan", "random:0.05", "--model", "tiny-llama", "--data", str(demo.train), "--max-steps", "2",
+    train = ["--plan", "random:0.5", "--model", "tiny-llama", "--data", str(small_sft.train), "--max-steps", "2",
              "--micro-batch-size", "2", "--no-progress", "--no-save-model", "--no-initial-eval"]
     acc = _run([str(bindir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "clusterlm.train", *train,
