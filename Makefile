@@ -20,7 +20,7 @@ $(VENV)/.native: $(VENV)/.deps $(NATIVE_SOURCES)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# Bytecode for the project's own modules, written once: where PYTHONDONTWRITEBYTECODE=1 is set (as on our CI
+# Bytecode for the project's own modules, written once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the build
 # machines) every process would compile them again at import, every rank of every run included (~0.5 s each).
 install: $(VENV)/.native
 	$(PY) -m compileall -q python_api cluster_kernels tests benchmarks
