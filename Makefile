@@ -9,15 +9,13 @@ NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc
 
 .PHONY: demo test docs install real-model bench bench-compare bench-real lint clean sanitize
 
-$(VENV)/.deps: setup.py pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The environment and the extension in one step: pip's editable install of the project builds csrc/ (in parallel,
+# one job per core), so a fresh checkout compiles it once; a changed source or setup file runs it again, where
+# the already-installed packages cost pip a few seconds.
+$(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)" "setuptools>=68" wheel "pybind11>=2.12" "numpy>=1.24"
 	$(PIP) install -q --no-build-isolation -e ".[test]"
-	touch $@
-
-# Rebuild the extension whenever a native source changes.
-$(VENV)/.native: $(VENV)/.deps $(NATIVE_SOURCES)
-	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 # Bytecode for the project's own modules, written once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the build

@@ -4,9 +4,14 @@ Builds the pybind11 extension ``cluster_kernels._C`` (no torch headers, so it do
 torch's ABI and builds in seconds):
 
 * the CPU part (``csrc/cpu/*.cpp``) always, with OpenMP when the compiler supports it;
-* the CUDA part (``csrc/cuda/*.cu``) when a CUDA toolkit (``nvcc``) is found, for sm_90 plus a
-  compute_90 PTX fallback. ``CLUSTER_KERNELS_CUDA=0`` forces it off, ``=1`` forces it on (and fails
-  if nvcc is missing). ``CLUSTER_KERNELS_CUDA_ARCH`` overrides the architecture list, e.g. "80;90".
+* the CUDA part (``csrc/cuda/*.cu``) when a CUDA toolkit (``nvcc``) is found, for sm_80 and sm_90 plus a
+  compute_90 PTX fallback (A100, H100/H200, and newer GPUs through the PTX). ``CLUSTER_KERNELS_CUDA=0`` forces it
+  off, ``=1`` forces it on (and fails if nvcc is missing). ``CLUSTER_KERNELS_CUDA_ARCH`` overrides the
+  architecture list, e.g. "90". Each .cu compile leaves ptxas's report in the compile cache
+  (cluster_kernels/_cuda_build.py), where the test suite's compile gate finds it.
+
+The source files compile in parallel, one job per core (``CLUSTER_KERNELS_BUILD_JOBS=N`` for N jobs): the C++
+files through pybind11's ``ParallelCompile``, the ``.cu`` files in a thread pool of nvcc processes.
 
 Installing never needs a GPU: setup prints which parts it built and why a part was skipped.
 """
@@ -15,17 +20,29 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+JOBS_ENV = "CLUSTER_KERNELS_BUILD_JOBS"
+
+
+def _build_jobs() -> int:
+    """Parallel compile jobs: ``$CLUSTER_KERNELS_BUILD_JOBS``, else one per core."""
+    value = os.environ.get(JOBS_ENV, "").strip()
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{JOBS_ENV} must be a positive integer (compile jobs), got {value!r}; unset it for "
+                         "one job per core.")
+    return int(value)
 
 
 def _log(msg: str) -> None:
@@ -93,17 +110,27 @@ class BuildExt(build_ext):
         ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
         if cu_sources:
             nvcc = _find_nvcc()
-            objects = []
             build_tmp = Path(self.build_temp) / "cuda"
             build_tmp.mkdir(parents=True, exist_ok=True)
             include_dirs = [str(ROOT / "csrc")] + list(ext.include_dirs or [])
             include_dirs.append(sysconfig.get_paths()["include"])
-            for src in cu_sources:
-                obj = build_tmp / (Path(src).stem + ".o")
-                cmd = _CUDA_BUILD.nvcc_command(src, obj, include_dirs, nvcc=nvcc)
-                _log("nvcc: " + " ".join(cmd))
-                subprocess.check_call(cmd)
-                objects.append(str(obj))
+            archs = _CUDA_BUILD.arch_numbers()
+            records = _CUDA_BUILD.compile_keys(nvcc, archs, [ROOT / src for src in cu_sources], ROOT / "csrc")
+            objects = [str(build_tmp / (Path(src).stem + ".o")) for src in cu_sources]
+
+            def compile_one(src: str, obj: str) -> None:
+                _log(f"nvcc: {src} for sm_{', sm_'.join(map(str, archs))}")
+                record = _CUDA_BUILD.compile_record(src, obj, include_dirs, nvcc=nvcc, archs=archs)
+                # ptxas's report, kept for the compile gate (tests/cluster_kernels/test_aot_compile.py), which then
+                # has nothing to compile again; a cache that cannot be written only costs the gate that time.
+                try:
+                    _CUDA_BUILD.store_record(records[Path(src).name], record)
+                except OSError as exc:
+                    _log(f"could not cache the compile report of {src} ({exc})")
+
+            # nvcc runs in subprocesses: threads are enough to keep every core busy.
+            with ThreadPoolExecutor(max_workers=_build_jobs()) as pool:
+                list(pool.map(compile_one, cu_sources, objects))
             ext.extra_objects = list(ext.extra_objects or []) + objects
             cuda_lib = Path(nvcc).resolve().parent.parent / "lib64"
             ext.library_dirs = list(ext.library_dirs or []) + [str(cuda_lib)]
@@ -135,6 +162,9 @@ def _extension() -> Pybind11Extension:
         extra_compile_args=["-O3", "-fno-math-errno"],
     )
 
+
+# The C++ sources of the extension compile in parallel (distutils compiles one file after the other).
+ParallelCompile(default=_build_jobs()).install()
 
 setup(
     name="cluster-kernels",

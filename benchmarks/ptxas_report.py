@@ -41,7 +41,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +49,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from cluster_kernels._cuda_build import (  # noqa: E402 - the repository on the path first
+    cache_dir,
+    compile_keys,
+    compile_record,
+    demangle,
+    find_nvcc,
+    store_record,
+)
+
 # Shared memory a block may use (opt-in maximum): A100 163 KiB; H100/H200 and B200 227 KiB.
 SMEM_LIMIT = {80: 166_912, 90: 232_448, 100: 232_448}
 TRITON_TARGETS = (80, 90, 100)
 CUDA_ARCHS = (80, 90)
-HOST_WARNINGS = ("-Xcompiler", "-Wall,-Wextra")  # our sources compile without a warning
-CACHE_ENV = "CLUSTER_KERNELS_AOT_CACHE"
 RESULT_PATH = REPO / "benchmarks" / "results" / "ptxas.json"
 
 # The same compiles with the configs and kernels before issue 21 (8 configs per kernel, 64-bit tile offsets).
@@ -202,18 +209,6 @@ def parse_ptxas(log: str) -> dict[str, int]:
     return out
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cluster_kernels" / "aot")
-
-
-def _cache(path: Path, result: Any) -> None:
-    """Store a compile's result under its key (complete or not at all: the workers write side by side)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
-
-
 def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     """Compile one job for its target; returns the ptxas numbers, Triton's shared memory, or the error."""
     import triton
@@ -225,7 +220,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     cfg, cc = job["config"], job["cc"]
     options = {"num_warps": cfg[-2], "num_stages": cfg[-1]}
     key = hashlib.sha256(json.dumps([src.hash(), cc, options, triton.__version__]).encode()).hexdigest()
-    cached = _cache_dir() / f"{key}.json"
+    cached = cache_dir() / f"{key}.json"
     if cached.exists():
         return {**json.loads(cached.read_text()), "cached": True}
     t0 = time.perf_counter()
@@ -240,7 +235,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         res = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"}
     res["seconds"] = round(time.perf_counter() - t0, 2)
     if res["error"] is None:
-        _cache(cached, res)
+        store_record(cached, res)
     return {**res, "cached": False}
 
 
@@ -295,114 +290,40 @@ def triton_supports(cc: int) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def parse_nvcc_ptxas(log: str) -> list[dict[str, Any]]:
-    """Per function (mangled name) and arch: registers, spills, stack, static shared memory, from nvcc's log."""
-    out: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None
-    for line in log.splitlines():
-        if m := re.search(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'", line):
-            current = {"function": m.group(1), "arch": m.group(2), "regs": 0, "spill_stores": 0, "spill_loads": 0,
-                       "stack": 0, "smem_static": 0}
-            out.append(current)
-        elif (m := re.search(r"Function properties for (\S+)", line)) and (current is None
-                                                                           or current["function"] != m.group(1)):
-            current = {"function": m.group(1), "arch": current["arch"] if current else "?", "regs": 0,
-                       "spill_stores": 0, "spill_loads": 0, "stack": 0, "smem_static": 0}
-            out.append(current)
-        elif current is not None:
-            if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
-                current["stack"], current["spill_stores"], current["spill_loads"] = (int(g) for g in m.groups())
-            if m := re.search(r"Used (\d+) registers", line):
-                current["regs"] = int(m.group(1))
-            if m := re.search(r"(\d+) bytes smem", line):
-                current["smem_static"] = int(m.group(1))
-    return out
-
-
-def _demangle(names: list[str]) -> dict[str, str]:
-    try:
-        proc = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=60)
-        pretty = proc.stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        pretty = names
-    if len(pretty) != len(names):
-        pretty = names
-    # Without the parameter list; "(anonymous namespace)::" goes first, or the cut would end the name there.
-    return {n: re.sub(r"\(.*$", "", p.replace("(anonymous namespace)::", "")) for n, p in zip(names, pretty,
-                                                                                          strict=True)}
-
-
 def cuda_sources() -> list[Path]:
     """Every ``csrc/cuda/*.cu``."""
     return sorted((REPO / "csrc" / "cuda").glob("*.cu"))
 
 
-def _arch_number(arch: str) -> int:
-    """``sm_90a`` -> 90."""
-    return int(re.sub(r"\D", "", arch))
-
-
-def _nvcc_one(nvcc: str, src: Path, archs: Sequence[int], cached: Path) -> dict[str, Any]:
-    """One .cu for every arch in one nvcc call (the host code is compiled once) with ``-Xptxas -v`` and the host
-    compiler's ``-Wall -Wextra``; its record (:func:`cuda_compiles`), also written to ``cached``.
-
-    Raises:
-        RuntimeError: nvcc fails (the message has the end of its output).
-    """
-    from cluster_kernels._cuda_build import nvcc_command
-
-    with tempfile.TemporaryDirectory() as tmp:
-        obj = Path(tmp) / "k.o"
-        cmd = nvcc_command(src, obj, [REPO / "csrc", sysconfig.get_paths()["include"]], nvcc=nvcc,
-                           archs=";".join(str(a) for a in archs), extra=["-Xptxas", "-v", *HOST_WARNINGS])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {src.name} ({' '.join(cmd)}):\n{log[-4000:]}")
-        object_bytes = obj.stat().st_size if obj.exists() else 0
-    funcs = parse_nvcc_ptxas(log)
-    names = _demangle([f["function"] for f in funcs])
-    record = {
-        "file": src.name,
-        "rows": [{**f, "file": src.name, "name": names[f["function"]], "target": _arch_number(f["arch"])}
-                 for f in funcs],
-        "warnings": [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()],
-        "object_bytes": object_bytes,
-    }
-    _cache(cached, record)
-    return record
-
-
 def cuda_compiles(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dict[str, Any]]:
     """Compile every .cu as the build does, for every arch in ``archs``, with ``-Xptxas -v`` and the host
-    compiler's warnings on; one record per file: ``file``, ``rows`` (one per function and arch: registers,
-    spills, stack, static shared memory), ``warnings`` (lines of nvcc's output about our sources) and
-    ``object_bytes``. Cached like the Triton compiles (key: csrc/, nvcc's version, the archs and flags).
+    compiler's warnings on; one record per file (:func:`cluster_kernels._cuda_build.compile_record`). Records are
+    cached like the Triton compiles (key: csrc/, nvcc's version, the archs and flags), and setup.py leaves the same
+    records when it builds: after a build for these archs nothing is compiled again.
 
     Raises:
         RuntimeError: nvcc is missing or fails (the message has its output).
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster_kernels._cuda_build import NVCC_FLAGS, find_nvcc
-
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
     archs = tuple(archs)
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    tree = hashlib.sha256(f"{version}|{archs}|{NVCC_FLAGS}|{HOST_WARNINGS}".encode())
-    for path in sorted((REPO / "csrc").rglob("*")):
-        if path.is_file():
-            tree.update(path.name.encode() + path.read_bytes())
-    todo = []
-    for src in cuda_sources():
-        key = hashlib.sha256(f"{tree.hexdigest()}-{src.name}".encode()).hexdigest()
-        todo.append((src, _cache_dir() / f"cuda-{key}.json"))
+    cached = compile_keys(nvcc, archs, cuda_sources(), REPO / "csrc")
+
+    def compile_one(src: Path) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            record = compile_record(src, Path(tmp) / "k.o", [REPO / "csrc", sysconfig.get_paths()["include"]],
+                                    nvcc=nvcc, archs=archs)
+        store_record(cached[src.name], record)
+        return record
+
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # nvcc runs in subprocesses
-        futures = [None if c.exists() else pool.submit(_nvcc_one, nvcc, src, archs, c) for src, c in todo]
-        return [json.loads(cached.read_text()) if fut is None else fut.result()
-                for (_, cached), fut in zip(todo, futures, strict=True)]
+        futures = {src.name: None if cached[src.name].exists() else pool.submit(compile_one, src)
+                   for src in cuda_sources()}
+        return [json.loads(cached[name].read_text()) if fut is None else fut.result()
+                for name, fut in futures.items()]
 
 
 def cuda_report(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dict[str, Any]]:
@@ -412,7 +333,7 @@ def cuda_report(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[dic
         RuntimeError: nvcc is missing or fails (the message has its output).
     """
     rows = [r for rec in cuda_compiles(archs, workers) for r in rec["rows"]]
-    names = _demangle(sorted({r["function"] for r in rows}))  # cached rows get today's readable names too
+    names = demangle(sorted({r["function"] for r in rows}))  # cached rows get today's readable names too
     return [{**r, "name": names[r["function"]]} for r in rows]
 
 

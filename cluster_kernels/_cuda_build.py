@@ -1,7 +1,11 @@
-"""Where nvcc is and which flags compile the CUDA part of ``cluster_kernels._C``.
+"""Where nvcc is, which flags compile the CUDA part of ``cluster_kernels._C``, and what a compile reports.
 
-One source of truth for ``setup.py`` and the compile-only test (tests/cluster_kernels/test_kmeans_cuda.py),
-so the test compiles the ``.cu`` files exactly as the build does. Standard library only: this module
+One source of truth for ``setup.py`` and the compile gate (tests/cluster_kernels/test_aot_compile.py through
+benchmarks/ptxas_report.py), so the gate checks the ``.cu`` files exactly as the build compiles them. Every compile
+runs with ptxas's report and the host compiler's warnings on (:data:`REPORT_FLAGS`) and leaves a record
+(:func:`compile_record`: registers, spills and shared memory per kernel, warnings in our sources) in the compile
+cache under a key of the sources, flags, architectures and nvcc's version (:func:`compile_keys`): the gate reads
+the build's records and compiles only what the build did not. Standard library only: this module
 never imports torch or numpy and never touches a GPU. ``import cluster_kernels._cuda_build`` runs the
 package's ``__init__`` (which imports torch), so setup.py loads the file by path instead::
 
@@ -11,21 +15,30 @@ package's ``__init__`` (which imports torch), so setup.py loads the file by path
 
 Environment:
     CUDA_HOME, CUDA_PATH: toolkit roots searched for ``bin/nvcc`` (then /usr/local/cuda, then PATH).
-    CLUSTER_KERNELS_CUDA_ARCH: architectures to build for, e.g. "90" (default) or "80;90".
+    CLUSTER_KERNELS_CUDA_ARCH: architectures to build for, e.g. "80;90" (default: A100 and H100/H200) or "90".
+    CLUSTER_KERNELS_AOT_CACHE: the compile cache (default ``~/.cache/cluster_kernels/aot``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-DEFAULT_ARCHS = "90"
+DEFAULT_ARCHS = "80;90"
 ARCH_ENV = "CLUSTER_KERNELS_CUDA_ARCH"
+CACHE_ENV = "CLUSTER_KERNELS_AOT_CACHE"
 
 # Flags every .cu file is compiled with (besides -c, -o, the gencode flags and the include dirs).
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC")
+# ... and these, which change no code: ptxas's resource report and the host compiler's warnings (ours have none).
+REPORT_FLAGS: tuple[str, ...] = ("-Xptxas", "-v", "-Xcompiler", "-Wall,-Wextra")
 
 
 def find_nvcc() -> str | None:
@@ -44,16 +57,30 @@ def _arch_list(archs: str) -> list[str]:
     return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
 
 
+def arch_numbers(archs: str | None = None) -> tuple[int, ...]:
+    """The architectures as numbers, e.g. ``(80, 90)``; ``archs`` as in :func:`gencode_flags`.
+
+    Raises:
+        ValueError: an architecture that is not a number (e.g. "sm_90": give "90").
+    """
+    names = _arch_list(os.environ.get(ARCH_ENV, DEFAULT_ARCHS) if archs is None else archs)
+    bad = [a for a in names if not a.isdigit()]
+    if bad:
+        raise ValueError(f"{ARCH_ENV}: compute capabilities without the dot, e.g. '80;90', got {bad}.")
+    return tuple(int(a) for a in names)
+
+
 def gencode_flags(archs: str | None = None) -> list[str]:
     """``-gencode`` flags: machine code for every architecture plus PTX of the last one.
 
     Args:
         archs: ";"- or ","-separated compute capabilities without the dot, e.g. "90" or "80;90".
-            None: ``$CLUSTER_KERNELS_CUDA_ARCH``, else "90" (the H100/H200 generation).
+            None: ``$CLUSTER_KERNELS_CUDA_ARCH``, else "80;90" (the A100 and the H100/H200 generations).
 
     Returns:
-        e.g. ``["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]``;
-        the PTX lets newer GPUs run the code after a JIT compile at load time.
+        e.g. ``["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90"]``; the PTX lets newer GPUs run the code after a JIT compile at
+        load time.
 
     Raises:
         ValueError: no architecture given (empty string).
@@ -97,3 +124,110 @@ def nvcc_command(
     cmd += [f"-I{d}" for d in include_dirs]
     cmd += list(extra)
     return cmd
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a compile reports, and the cache of reports
+# ---------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """The compile cache: ``$CLUSTER_KERNELS_AOT_CACHE``, else ``~/.cache/cluster_kernels/aot``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cluster_kernels" / "aot")
+
+
+def compile_keys(nvcc: str, archs: Sequence[int], sources: Sequence[Path], csrc: Path) -> dict[str, Path]:
+    """Where the record of each source's compile is cached: a key of every file under ``csrc`` (headers
+    included), the flags, the architectures and nvcc's version.
+
+    Returns:
+        ``{source file name: cache path}``.
+    """
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+    tree = hashlib.sha256(f"{version}|{tuple(int(a) for a in archs)}|{NVCC_FLAGS}|{REPORT_FLAGS}".encode())
+    for path in sorted(Path(csrc).rglob("*")):
+        if path.is_file():
+            tree.update(path.name.encode() + path.read_bytes())
+    return {src.name: cache_dir() / f"cuda-{hashlib.sha256(f'{tree.hexdigest()}-{src.name}'.encode()).hexdigest()}.json"
+            for src in sources}
+
+
+def parse_nvcc_ptxas(log: str) -> list[dict[str, Any]]:
+    """Per function (mangled name) and arch: registers, spills, stack, static shared memory, from nvcc's log."""
+    out: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'", line):
+            current = {"function": m.group(1), "arch": m.group(2), "regs": 0, "spill_stores": 0, "spill_loads": 0,
+                       "stack": 0, "smem_static": 0}
+            out.append(current)
+        elif (m := re.search(r"Function properties for (\S+)", line)) and (current is None
+                                                                           or current["function"] != m.group(1)):
+            current = {"function": m.group(1), "arch": current["arch"] if current else "?", "regs": 0,
+                       "spill_stores": 0, "spill_loads": 0, "stack": 0, "smem_static": 0}
+            out.append(current)
+        elif current is not None:
+            if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
+                current["stack"], current["spill_stores"], current["spill_loads"] = (int(g) for g in m.groups())
+            if m := re.search(r"Used (\d+) registers", line):
+                current["regs"] = int(m.group(1))
+            if m := re.search(r"(\d+) bytes smem", line):
+                current["smem_static"] = int(m.group(1))
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Readable names of mangled C++ symbols (``c++filt``; the names as given where it is missing)."""
+    try:
+        proc = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=60)
+        pretty = proc.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pretty = names
+    if len(pretty) != len(names):
+        pretty = names
+    # Without the parameter list; "(anonymous namespace)::" goes first, or the cut would end the name there.
+    return {n: re.sub(r"\(.*$", "", p.replace("(anonymous namespace)::", "")) for n, p in zip(names, pretty,
+                                                                                          strict=True)}
+
+
+def compile_record(
+    src: str | os.PathLike,
+    obj: str | os.PathLike,
+    include_dirs: Sequence[str | os.PathLike],
+    *,
+    nvcc: str,
+    archs: Sequence[int],
+) -> dict[str, Any]:
+    """Compile one ``.cu`` for every arch in one nvcc call (its host code once), with :data:`REPORT_FLAGS`.
+
+    Returns:
+        ``file``, ``rows`` (one per function and arch: ``function``, ``name``, ``arch``, ``target``, registers,
+        spills, stack, static shared memory), ``warnings`` (lines of nvcc's output about our ``csrc/`` sources)
+        and ``object_bytes``.
+
+    Raises:
+        RuntimeError: nvcc fails (the message has the command and the end of its output).
+    """
+    name = Path(src).name
+    cmd = nvcc_command(src, obj, include_dirs, nvcc=nvcc, archs=";".join(str(a) for a in archs), extra=REPORT_FLAGS)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {name} ({' '.join(cmd)}):\n{log[-4000:]}")
+    funcs = parse_nvcc_ptxas(log)
+    names = demangle([f["function"] for f in funcs])
+    return {
+        "file": name,
+        "rows": [{**f, "file": name, "name": names[f["function"]], "target": int(re.sub(r"\D", "", f["arch"]))}
+                 for f in funcs],
+        "warnings": [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()],
+        "object_bytes": Path(obj).stat().st_size if Path(obj).exists() else 0,
+    }
+
+
+def store_record(path: Path, record: Any) -> None:
+    """Cache a record, complete or not at all (concurrent compiles write side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)

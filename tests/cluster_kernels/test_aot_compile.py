@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster_kernels._cuda_build import find_nvcc, parse_nvcc_ptxas
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("ptxas_report", REPO / "benchmarks" / "ptxas_report.py")
 ptxas_report = importlib.util.module_from_spec(_spec)
@@ -44,9 +46,8 @@ def triton_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cuda_compiles() -> dict[str, dict]:
-    """Every .cu compiled once, for sm_80 and sm_90 (one record per file: rows, warnings, object size)."""
-    from cluster_kernels._cuda_build import find_nvcc
-
+    """Every .cu compiled once, for sm_80 and sm_90 (one record per file: rows, warnings, object size): the records
+    the build left in the compile cache (setup.py compiles for these architectures by default), or compiled here."""
     if find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
     records = ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS,
@@ -183,7 +184,7 @@ def test_ptxas_reports_are_parsed():
         "regs": 255, "spill_stores": 12, "spill_loads": 16, "stack": 8, "smem_static": 8}
     with pytest.raises(ValueError, match="no 'Used N registers' line"):
         ptxas_report.parse_ptxas("ptxas fatal   : Unresolved extern function")
-    rows = ptxas_report.parse_nvcc_ptxas(NVCC_LOG)
+    rows = parse_nvcc_ptxas(NVCC_LOG)
     assert [(r["function"], r["arch"], r["regs"], r["spill_stores"], r["smem_static"]) for r in rows] == [
         ("_Z6kernelPd", "sm_80", 40, 0, 4096), ("_Z6helperv", "sm_80", 0, 4, 0), ("_Z5otherv", "sm_80", 12, 0, 0)]
 
