@@ -11,17 +11,27 @@ NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc
 
 # The environment and the extension in one step: pip's editable install of the project builds csrc/ (in parallel,
 # one job per core), so a fresh checkout compiles it once; a changed source or setup file runs it again, where
-# the already-installed packages cost pip a few seconds.
+# the already-installed packages cost pip a few seconds. pip writes no bytecode (--no-compile: it compiles one file
+# after the other); the packages' bytecode is then written on every core, skipping, as pip does, the few files that
+# do not compile on this Python (torch ships some for newer ones).
 $(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "$(TORCH)" "setuptools>=68" wheel "pybind11>=2.12" "numpy>=1.24"
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-compile "$(TORCH)" "setuptools>=68" wheel "pybind11>=2.12" "numpy>=1.24"
+	$(PIP) install -q --no-compile --no-build-isolation -e ".[test]"
+	$(PY) -c "$$SITE_BYTECODE"
 	touch $@
+
+define SITE_BYTECODE
+import compileall, sysconfig
+for d in sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}):
+    compileall.compile_dir(d, quiet=2, workers=0)
+endef
+export SITE_BYTECODE
 
 # Bytecode for the project's own modules, written once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the build
 # machines) every process would compile them again at import, every rank of every run included (~0.5 s each).
 install: $(VENV)/.native
-	$(PY) -m compileall -q python_api cluster_kernels tests benchmarks
+	$(PY) -m compileall -q -j 0 python_api cluster_kernels tests benchmarks
 
 demo: install
 	$(PY) -m clusterlm demo
