@@ -205,3 +205,37 @@ def test_problems_names_errors_shared_memory_all_spilling_keys_and_cuda_spills()
     assert any("200000 bytes of shared memory, above the sm_80 limit 166912" in p for p in found)
     assert any("compile error: PTXASError" in p for p in found)
     assert found[-1] == "k.cu: f (sm_90) spills 4 bytes"
+
+
+def test_the_build_and_the_gate_share_one_key_per_source(tmp_path):
+    """setup.py and the gate look records up by compile_keys: equal inputs give the same paths; a changed header, other
+    architectures or another cache give others (the gate then compiles instead of reading a stale record)."""
+    from cluster_kernels import _cuda_build
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: no CUDA toolkit")
+    csrc = tmp_path / "csrc"
+    (csrc / "cuda").mkdir(parents=True)
+    src = csrc / "cuda" / "k.cu"
+    src.write_text("__global__ void k() {}\n")
+    (csrc / "cuda" / "k.cuh").write_text("#pragma once\n")
+    keys = _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)
+    assert keys == _cuda_build.compile_keys(nvcc, [80, 90], [src], csrc) and keys["k.cu"].name.startswith("cuda-")
+    assert keys != _cuda_build.compile_keys(nvcc, (90,), [src], csrc)
+    (csrc / "cuda" / "k.cuh").write_text("#pragma once\n// changed\n")
+    assert keys != _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(_cuda_build.CACHE_ENV, str(tmp_path / "other"))
+        assert _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)["k.cu"].parent == tmp_path / "other"
+
+
+def test_architectures_default_to_a100_and_h100_and_a_bad_one_is_named(monkeypatch):
+    from cluster_kernels import _cuda_build
+
+    monkeypatch.delenv(_cuda_build.ARCH_ENV, raising=False)
+    assert _cuda_build.arch_numbers() == (80, 90) == ptxas_report.CUDA_ARCHS  # the build's records serve the gate
+    assert _cuda_build.gencode_flags()[-1] == "-gencode=arch=compute_90,code=compute_90"
+    assert _cuda_build.arch_numbers("90") == (90,)
+    with pytest.raises(ValueError, match="CLUSTER_KERNELS_CUDA_ARCH.*'80;90'.*sm_90"):
+        _cuda_build.arch_numbers("sm_90")
