@@ -115,18 +115,15 @@ class BuildExt(build_ext):
             include_dirs = [str(ROOT / "csrc")] + list(ext.include_dirs or [])
             include_dirs.append(sysconfig.get_paths()["include"])
             archs = _CUDA_BUILD.arch_numbers()
-            records = _CUDA_BUILD.compile_keys(nvcc, archs, [ROOT / src for src in cu_sources], ROOT / "csrc")
+            # each compile leaves ptxas's report for the compile gate (tests/cluster_kernels/test_aot_compile.py),
+            # which then has nothing to compile again
+            reports = _CUDA_BUILD.record_paths(nvcc, archs, [ROOT / src for src in cu_sources], ROOT / "csrc")
             objects = [str(build_tmp / (Path(src).stem + ".o")) for src in cu_sources]
 
             def compile_one(src: str, obj: str) -> None:
                 _log(f"nvcc: {src} for sm_{', sm_'.join(map(str, archs))}")
-                record = _CUDA_BUILD.compile_record(src, obj, include_dirs, nvcc=nvcc, archs=archs)
-                # ptxas's report, kept for the compile gate (tests/cluster_kernels/test_aot_compile.py), which then
-                # has nothing to compile again; a cache that cannot be written only costs the gate that time.
-                try:
-                    _CUDA_BUILD.store_record(records[Path(src).name], record)
-                except OSError as exc:
-                    _log(f"could not cache the compile report of {src} ({exc})")
+                _CUDA_BUILD.compile_record(src, obj, include_dirs, nvcc=nvcc, archs=archs,
+                                           cache=reports[Path(src).name])
 
             # nvcc runs in subprocesses: threads are enough to keep every core busy.
             with ThreadPoolExecutor(max_workers=_build_jobs()) as pool:

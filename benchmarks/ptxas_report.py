@@ -51,10 +51,10 @@ if str(REPO) not in sys.path:
 
 from cluster_kernels._cuda_build import (  # noqa: E402 - the repository on the path first
     cache_dir,
-    compile_keys,
     compile_record,
     demangle,
     find_nvcc,
+    record_paths,
     store_record,
 )
 
@@ -310,14 +310,12 @@ def cuda_compiles(archs: Iterable[int] = CUDA_ARCHS, workers: int = 2) -> list[d
     if nvcc is None:
         raise RuntimeError("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
     archs = tuple(archs)
-    cached = compile_keys(nvcc, archs, cuda_sources(), REPO / "csrc")
+    cached = record_paths(nvcc, archs, cuda_sources(), REPO / "csrc")
 
     def compile_one(src: Path) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
-            record = compile_record(src, Path(tmp) / "k.o", [REPO / "csrc", sysconfig.get_paths()["include"]],
-                                    nvcc=nvcc, archs=archs)
-        store_record(cached[src.name], record)
-        return record
+            return compile_record(src, Path(tmp) / "k.o", [REPO / "csrc", sysconfig.get_paths()["include"]],
+                                  nvcc=nvcc, archs=archs, cache=cached[src.name])
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # nvcc runs in subprocesses
         futures = {src.name: None if cached[src.name].exists() else pool.submit(compile_one, src)

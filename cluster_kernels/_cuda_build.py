@@ -4,7 +4,7 @@ One source of truth for ``setup.py`` and the compile gate (tests/cluster_kernels
 benchmarks/ptxas_report.py), so the gate checks the ``.cu`` files exactly as the build compiles them. Every compile
 runs with ptxas's report and the host compiler's warnings on (:data:`REPORT_FLAGS`) and leaves a record
 (:func:`compile_record`: registers, spills and shared memory per kernel, warnings in our sources) in the compile
-cache under a key of the sources, flags, architectures and nvcc's version (:func:`compile_keys`): the gate reads
+cache under a key of the sources, flags, architectures and nvcc's version (:func:`record_paths`): the gate reads
 the build's records and compiles only what the build did not. Standard library only: this module
 never imports torch or numpy and never touches a GPU. ``import cluster_kernels._cuda_build`` runs the
 package's ``__init__`` (which imports torch), so setup.py loads the file by path instead::
@@ -57,25 +57,28 @@ def _arch_list(archs: str) -> list[str]:
     return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
 
 
-def arch_numbers(archs: str | None = None) -> tuple[int, ...]:
+def arch_numbers(archs: str | Sequence[int] | None = None) -> tuple[int, ...]:
     """The architectures as numbers, e.g. ``(80, 90)``; ``archs`` as in :func:`gencode_flags`.
 
     Raises:
         ValueError: an architecture that is not a number (e.g. "sm_90": give "90").
     """
-    names = _arch_list(os.environ.get(ARCH_ENV, DEFAULT_ARCHS) if archs is None else archs)
+    if archs is None:
+        archs = os.environ.get(ARCH_ENV, DEFAULT_ARCHS)
+    names = _arch_list(archs) if isinstance(archs, str) else [str(a) for a in archs]
     bad = [a for a in names if not a.isdigit()]
     if bad:
         raise ValueError(f"{ARCH_ENV}: compute capabilities without the dot, e.g. '80;90', got {bad}.")
     return tuple(int(a) for a in names)
 
 
-def gencode_flags(archs: str | None = None) -> list[str]:
+def gencode_flags(archs: str | Sequence[int] | None = None) -> list[str]:
     """``-gencode`` flags: machine code for every architecture plus PTX of the last one.
 
     Args:
-        archs: ";"- or ","-separated compute capabilities without the dot, e.g. "90" or "80;90".
-            None: ``$CLUSTER_KERNELS_CUDA_ARCH``, else "80;90" (the A100 and the H100/H200 generations).
+        archs: ";"- or ","-separated compute capabilities without the dot, e.g. "90" or "80;90", or numbers
+            (``(80, 90)``). None: ``$CLUSTER_KERNELS_CUDA_ARCH``, else "80;90" (the A100 and the H100/H200
+            generations).
 
     Returns:
         e.g. ``["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
@@ -83,11 +86,9 @@ def gencode_flags(archs: str | None = None) -> list[str]:
         load time.
 
     Raises:
-        ValueError: no architecture given (empty string).
+        ValueError: no architecture given (empty string), or one that is not a number (:func:`arch_numbers`).
     """
-    if archs is None:
-        archs = os.environ.get(ARCH_ENV, DEFAULT_ARCHS)
-    arch_list = _arch_list(archs)
+    arch_list = arch_numbers(archs)
     if not arch_list:
         raise ValueError(f"no CUDA architecture in {archs!r}; set {ARCH_ENV} to e.g. '90' or '80;90'.")
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in arch_list]
@@ -102,7 +103,7 @@ def nvcc_command(
     include_dirs: Sequence[str | os.PathLike],
     *,
     nvcc: str | None = None,
-    archs: str | None = None,
+    archs: str | Sequence[int] | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The nvcc command line that compiles one ``.cu`` file to an object file, as setup.py runs it.
@@ -136,7 +137,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cluster_kernels" / "aot")
 
 
-def compile_keys(nvcc: str, archs: Sequence[int], sources: Sequence[Path], csrc: Path) -> dict[str, Path]:
+def record_paths(nvcc: str, archs: Sequence[int], sources: Sequence[Path], csrc: Path) -> dict[str, Path]:
     """Where the record of each source's compile is cached: a key of every file under ``csrc`` (headers
     included), the flags, the architectures and nvcc's version.
 
@@ -197,8 +198,10 @@ def compile_record(
     *,
     nvcc: str,
     archs: Sequence[int],
+    cache: Path,
 ) -> dict[str, Any]:
-    """Compile one ``.cu`` for every arch in one nvcc call (its host code once), with :data:`REPORT_FLAGS`.
+    """Compile one ``.cu`` for every arch in one nvcc call (its host code once), with :data:`REPORT_FLAGS`, and
+    store its record at ``cache`` (its :func:`record_paths` entry) for the next reader.
 
     Returns:
         ``file``, ``rows`` (one per function and arch: ``function``, ``name``, ``arch``, ``target``, registers,
@@ -209,20 +212,25 @@ def compile_record(
         RuntimeError: nvcc fails (the message has the command and the end of its output).
     """
     name = Path(src).name
-    cmd = nvcc_command(src, obj, include_dirs, nvcc=nvcc, archs=";".join(str(a) for a in archs), extra=REPORT_FLAGS)
+    cmd = nvcc_command(src, obj, include_dirs, nvcc=nvcc, archs=archs, extra=REPORT_FLAGS)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {name} ({' '.join(cmd)}):\n{log[-4000:]}")
     funcs = parse_nvcc_ptxas(log)
     names = demangle([f["function"] for f in funcs])
-    return {
+    record = {
         "file": name,
         "rows": [{**f, "file": name, "name": names[f["function"]], "target": int(re.sub(r"\D", "", f["arch"]))}
                  for f in funcs],
         "warnings": [line for line in log.splitlines() if "csrc/" in line and "warning" in line.lower()],
         "object_bytes": Path(obj).stat().st_size if Path(obj).exists() else 0,
     }
+    try:
+        store_record(cache, record)
+    except OSError:  # a cache that cannot be written only costs the next reader this compile
+        pass
+    return record
 
 
 def store_record(path: Path, record: Any) -> None:

@@ -208,7 +208,7 @@ def test_problems_names_errors_shared_memory_all_spilling_keys_and_cuda_spills()
 
 
 def test_the_build_and_the_gate_share_one_key_per_source(tmp_path):
-    """setup.py and the gate look records up by compile_keys: equal inputs give the same paths; a changed header, other
+    """setup.py and the gate look records up by record_paths: equal inputs give the same paths; a changed header, other
     architectures or another cache give others (the gate then compiles instead of reading a stale record)."""
     from cluster_kernels import _cuda_build
 
@@ -220,14 +220,14 @@ def test_the_build_and_the_gate_share_one_key_per_source(tmp_path):
     src = csrc / "cuda" / "k.cu"
     src.write_text("__global__ void k() {}\n")
     (csrc / "cuda" / "k.cuh").write_text("#pragma once\n")
-    keys = _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)
-    assert keys == _cuda_build.compile_keys(nvcc, [80, 90], [src], csrc) and keys["k.cu"].name.startswith("cuda-")
-    assert keys != _cuda_build.compile_keys(nvcc, (90,), [src], csrc)
+    keys = _cuda_build.record_paths(nvcc, (80, 90), [src], csrc)
+    assert keys == _cuda_build.record_paths(nvcc, [80, 90], [src], csrc) and keys["k.cu"].name.startswith("cuda-")
+    assert keys != _cuda_build.record_paths(nvcc, (90,), [src], csrc)
     (csrc / "cuda" / "k.cuh").write_text("#pragma once\n// changed\n")
-    assert keys != _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)
+    assert keys != _cuda_build.record_paths(nvcc, (80, 90), [src], csrc)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(_cuda_build.CACHE_ENV, str(tmp_path / "other"))
-        assert _cuda_build.compile_keys(nvcc, (80, 90), [src], csrc)["k.cu"].parent == tmp_path / "other"
+        assert _cuda_build.record_paths(nvcc, (80, 90), [src], csrc)["k.cu"].parent == tmp_path / "other"
 
 
 def test_architectures_default_to_a100_and_h100_and_a_bad_one_is_named(monkeypatch):
