@@ -9,29 +9,41 @@ NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc
 
 .PHONY: demo test docs install real-model bench bench-compare bench-real lint clean sanitize
 
+# Bytecode is written as modules are first imported (pip itself writes none: --no-compile), so only what runs is
+# compiled (about a fifth of the installed packages' files), once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the
+# build machines) every process would compile its imports again, every rank of every run included.
+unexport PYTHONDONTWRITEBYTECODE
+
 # The environment and the extension in one step: pip's editable install of the project builds csrc/ (in parallel,
-# one job per core), so a fresh checkout compiles it once; a changed source or setup file runs it again, where
-# the already-installed packages cost pip a few seconds. pip writes no bytecode (--no-compile: it compiles one file
-# after the other); the packages' bytecode is then written on every core, skipping, as pip does, the few files that
-# do not compile on this Python (torch ships some for newer ones).
+# one job per core) while a second pip installs the packages setup.py asks for (with the `test` extra; pip installs
+# one file after the other), so a fresh checkout compiles the extension once, beside the downloads and unpacking;
+# a changed source or setup file runs it again, where the installed packages cost pip a few seconds.
 $(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile "$(TORCH)" "setuptools>=68" wheel "pybind11>=2.12" "numpy>=1.24"
-	$(PIP) install -q --no-compile --no-build-isolation -e ".[test]"
-	$(PY) -c "$$SITE_BYTECODE"
+	rm -rf $(VENV)/meta && mkdir -p $(VENV)/meta
+	$(PY) setup.py -q egg_info --egg-base $(VENV)/meta > /dev/null
+	$(PY) -c "$$TEST_REQUIREMENTS" $(VENV)/meta > $(VENV)/meta/requirements-test.txt
+	$(PIP) install -q --no-compile --no-build-isolation --no-deps -e . & build=$$!; \
+	$(PIP) install -q --no-compile -r $(VENV)/meta/requirements-test.txt; deps=$$?; \
+	wait $$build && exit $$deps
 	touch $@
 
-define SITE_BYTECODE
-import compileall, sysconfig
-for d in sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}):
-    compileall.compile_dir(d, quiet=2, workers=0)
+# setup.py's requirements and its `test` extra, one per line, from the metadata egg_info wrote (requires.txt).
+define TEST_REQUIREMENTS
+import glob, sys
+extra, marker, found = "", "", {}
+for line in open(glob.glob(sys.argv[1] + "/*.egg-info/requires.txt")[0], encoding="utf-8"):
+    line = line.strip()
+    if line.startswith("["):
+        extra, _, marker = line[1:-1].partition(":")
+    elif line and extra in ("", "test"):
+        found[line + (f"; {marker}" if marker else "")] = None
+print("\n".join(found))
 endef
-export SITE_BYTECODE
+export TEST_REQUIREMENTS
 
-# Bytecode for the project's own modules, written once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the build
-# machines) every process would compile them again at import, every rank of every run included (~0.5 s each).
 install: $(VENV)/.native
-	$(PY) -m compileall -q -j 0 python_api cluster_kernels tests benchmarks
 
 demo: install
 	$(PY) -m clusterlm demo

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from clusterlm.rank_start import rank_pids
+
 STEPS, SAVE_EVERY, AT = 400, 10, 15
 OUT = Path(__file__).resolve().parent / "results" / "faults.json"
 
@@ -44,23 +46,10 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def _rank_pid(root: int, rank: int) -> int:
-    todo, seen = [root], []
-    while todo:
-        pid = todo.pop()
-        seen.append(pid)
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    for pid in seen:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
-            return pid
-    raise RuntimeError(f"rank {rank} not found")
+    pids = rank_pids(root)
+    if rank not in pids:
+        raise RuntimeError(f"rank {rank} not found under {root}: {pids}")
+    return pids[rank]
 
 
 def scenario(name: str, data: Path, root: Path, extra: list[str], fault: str) -> dict:

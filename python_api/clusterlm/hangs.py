@@ -54,6 +54,7 @@ class Progress:
         return self.dir / f"rank_{rank}.json"
 
     def _run(self) -> None:
+        self._write()  # at once: a rank that hangs before the first interval is still named, with its pid
         while not self._stop.wait(_INTERVAL):
             self._write()
 

@@ -10,12 +10,13 @@ Launching. ``clusterlm train --nproc N`` and ``clusterlm select --nproc N`` both
 (:func:`torchrun_command`, :func:`spawn`). One process on one node is ``python -m <module> ARGS``.
 
 Supervision. :func:`spawn` runs torch's launcher in-process in a small agent (``python -c ... run_agent``,
-the same arguments): the agent gets SIGTERM when the launching process dies (``PR_SET_PDEATHSIG`` on Linux,
-a watchdog thread elsewhere) and stops its ranks as torchrun does on SIGTERM; every rank
-(:func:`exit_with_supervisor`, from :func:`init_distributed` and the trainer) exits within a fraction of a
-second once its parent (the agent, or torchrun run by hand) or the launching process is gone, so a
-SIGKILLed launcher leaves no rank training on unsupervised. torch's launcher starts each rank in a session
-of its own, so the ranks are tied to processes, not to a process group.
+the same arguments), whose ranks are forked from one preloaded fork server (:mod:`clusterlm.rank_start`: the
+imports are paid once per run, not once per rank and restart): the agent gets SIGTERM when the launching process
+dies (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere) and stops its ranks as torchrun does on SIGTERM;
+every rank (:func:`exit_with_supervisor`, from :func:`init_distributed` and the trainer) exits within a fraction
+of a second once its parent (the fork server, or torchrun run by hand), the agent or the launching process is
+gone, so a SIGKILLed launcher leaves no rank training on unsupervised. Each rank runs in a session of its own, so
+the ranks are tied to processes, not to a process group.
 
 Failures. A rank that fails calls :func:`report_failure`: its one line (``clusterlm train: error (rank 1
 of 2): ...``) and exit status (2: a user error, 1: a failure) go to the error file torchrun gives it
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clusterlm import rank_start
 from clusterlm.configio import checksum
 from clusterlm.failures import first_failure
 from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env_pid, restart_count, under_torchrun
@@ -59,7 +61,7 @@ from clusterlm.procenv import AGENT_PID_ENV, LAUNCHER_PID_ENV, TORCHRUN_ENV, env
 __all__ = [
     "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
     "all_gather_floats", "all_gather_objects", "barrier", "check_config_file",
-    "exit_with_supervisor", "in_process_group", "init_distributed", "is_main", "pid_alive", "process_stopped",
+    "exit_with_supervisor", "in_process_group", "init_distributed", "is_main", "pid_alive",
     "run_agent", "spawn", "spawn_with_config", "torchrun_command", "under_torchrun",
 ]
 
@@ -278,16 +280,6 @@ def pid_alive(pid: int) -> bool:
 _watching: set[str] = set()
 
 
-def process_stopped(pid: int) -> bool:
-    """True while process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in ``/proc/PID/stat``;
-    False where there is no /proc or the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")  # after "(comm)", which may hold spaces and parentheses
-
-
 def _watch(what: str, gone: Callable[[], bool], then: Callable[[], None]) -> None:
     """Run ``then()`` as soon as ``gone()`` (checked now and every WATCH_INTERVAL s, in a daemon thread)."""
     if what in _watching:
@@ -314,10 +306,12 @@ def exit_with_supervisor() -> bool:
     launcher = env_pid(LAUNCHER_PID_ENV)
     if not under_torchrun() and launcher is None:
         return False
-    parent = env_pid(AGENT_PID_ENV) if under_torchrun() and env_pid(AGENT_PID_ENV) else os.getppid()
+    # The agent's ranks are children of its fork server (clusterlm.rank_start), which ends with the agent.
+    agent, parent = (env_pid(AGENT_PID_ENV) if under_torchrun() else None), os.getppid()
 
     def gone() -> bool:
-        return os.getppid() != parent or (launcher is not None and not pid_alive(launcher))
+        return (os.getppid() != parent or (agent is not None and not pid_alive(agent))
+                or (launcher is not None and not pid_alive(launcher)))
 
     _watch("supervisor", gone, lambda: os._exit(1))  # nobody waits for this status: the supervisor is gone
     return True
@@ -343,62 +337,16 @@ def _die_with_launcher(launcher: int) -> None:
 
 
 def _quiet_torchrun() -> None:
-    """torch's launcher logs each rank it stops and its failure report; the agent reports instead."""
+    """torch's launcher (and its multiprocessing) logs each rank it stops and its failure report; the agent reports
+    instead."""
     for name in list(logging.Logger.manager.loggerDict):
-        if name.startswith("torch.distributed"):
+        if name.startswith(("torch.distributed", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-_KILLED_STOPPED: set[int] = set()  # pids of stopped ranks the agent in this process killed (not a run's cause)
-
-
-def _report_restarts() -> None:
-    """Make torch's elastic agent (in this process) say why it restarts the ranks, and not wait on stopped ones.
-
-    Two steps are wrapped. Closing the ranks after one failed, a rank stopped by SIGSTOP is the hung one (the others
-    timed out waiting for it) and gets SIGKILL at once: continued, it would take the SIGTERM that follows as a
-    preemption and wait in a collective with the dead rank until the shutdown timeout. Closing them on a signal (a
-    preemption), a stopped rank is continued, so that it checkpoints with the others. And when a restart follows a
-    failure (``--max-restarts``), one line names the failure (:func:`first_failure`) and the restart.
-    """
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-
-    if getattr(LocalElasticAgent._monitor_workers, "_clusterlm", False):
-        return
-    monitor, close = LocalElasticAgent._monitor_workers, SubprocessContext._close
-
-    def closing(self: Any, *args: Any, **kwargs: Any) -> None:
-        # a rank exited with an error (torch closes the others as soon as it sees one): a failed run, no preemption
-        failed = any(h.proc.poll() not in (None, 0) for h in self.subprocess_handlers.values())
-        for pid in self.pids().values():
-            try:
-                if failed and process_stopped(pid):
-                    os.kill(pid, signal.SIGKILL)
-                    _KILLED_STOPPED.add(pid)
-                else:
-                    os.kill(pid, signal.SIGCONT)
-            except OSError:
-                pass
-        close(self, *args, **kwargs)
-
-    def monitored(self: Any, worker_group: Any) -> Any:
-        result = monitor(self, worker_group)
-        if result.is_failed():
-            remaining, total = self._remaining_restarts, worker_group.spec.max_restarts
-            if remaining > 0 and result.failures:
-                line, _ = first_failure(result.failures, _KILLED_STOPPED)
-                print(f"{line}; restarting every rank from the latest checkpoint (restart {total - remaining + 1} "
-                      f"of {total})", file=sys.stderr, flush=True)
-        return result
-
-    monitored._clusterlm = True  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
-    SubprocessContext._close = closing  # type: ignore[method-assign]
-
-
 def run_agent(argv: Sequence[str]) -> int:
-    """torch's launcher (``python -m torch.distributed.run ARGV``) in this process, as :func:`spawn` runs it.
+    """torch's launcher (``python -m torch.distributed.run ARGV``) in this process, as :func:`spawn` runs it, its ranks
+    forked from a preloaded fork server (:func:`clusterlm.rank_start.launch`).
 
     It dies with the launching process (``CLUSTERLM_LAUNCHER_PID``), tells the ranks its pid (so they exit
     when it is gone), and reports a failed run by the first failing rank's line (:func:`first_failure`).
@@ -415,18 +363,20 @@ def run_agent(argv: Sequence[str]) -> int:
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import parse_args, run
+        from torch.distributed.launcher import api  # noqa: F401  (its loggers, made now, stay quiet)
+        from torch.distributed.run import parse_args  # noqa: F401
     finally:
         if saved is None:
             os.environ.pop("LOGLEVEL", None)
         else:
             os.environ["LOGLEVEL"] = saved
     _quiet_torchrun()
-    _report_restarts()
+    rank_start.adapt_torch_agent()
     try:
-        run(parse_args(list(argv)))
+        rank_start.start_fork_server()  # its imports overlap the rendezvous
+        rank_start.launch(argv)
     except ChildFailedError as e:
-        line, code = first_failure(e.failures, _KILLED_STOPPED)
+        line, code = first_failure(e.failures, rank_start.KILLED_STOPPED)
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as e:

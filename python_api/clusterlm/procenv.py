@@ -8,9 +8,10 @@ what it starts, and its agent :data:`AGENT_PID_ENV`. :mod:`clusterlm.launch` (st
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-__all__ = ["AGENT_PID_ENV", "LAUNCHER_PID_ENV", "RESTART_ENV", "TORCHRUN_ENV", "env_pid", "restart_count",
-           "under_torchrun"]
+__all__ = ["AGENT_PID_ENV", "LAUNCHER_PID_ENV", "RESTART_ENV", "TORCHRUN_ENV", "env_pid", "process_stopped",
+           "restart_count", "under_torchrun"]
 
 # What torchrun sets in every rank's environment (the rendezvous address included).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -40,3 +41,13 @@ def restart_count() -> int:
         return int(os.environ.get(RESTART_ENV, "0"))
     except ValueError:
         return 0
+
+
+def process_stopped(pid: int) -> bool:
+    """True while process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t in ``/proc/PID/stat``;
+    False where there is no /proc or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("T", "t")  # after "(comm)", which may hold spaces and parentheses

@@ -22,11 +22,12 @@ import torch
 
 from clusterlm import cli
 from clusterlm.failures import first_failure
-from clusterlm.launch import process_stopped
 from clusterlm.pipeline import STORE_KEY
 from clusterlm.preemption import PREEMPTED, PREEMPTED_EXIT
+from clusterlm.procenv import process_stopped
+from clusterlm.rank_start import rank_pids
 
-STEPS, SAVE_EVERY = 40, 4
+STEPS, SAVE_EVERY = 24, 4  # faults at steps 3 to 6: 18 steps after them, 6 checkpoints
 pytestmark = pytest.mark.slow
 
 
@@ -58,31 +59,11 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
 def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of training rank ``rank`` under ``launcher`` (its descendants with RANK=rank in their environment)."""
-    todo, seen = [launcher], []
-    while todo:
-        pid = todo.pop()
-        seen.append(pid)
-        todo += _children(pid)
-    for pid in seen:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env):
-            return pid
-    raise AssertionError(f"no rank {rank} under {launcher}")
+    """The pid of training rank ``rank`` under ``launcher``."""
+    pids = rank_pids(launcher)
+    assert rank in pids, f"no rank {rank} under {launcher}: {pids}"
+    return pids[rank]
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:

@@ -29,7 +29,8 @@ from clusterlm import launch, pipeline, train_launch, train_model
 from clusterlm.failures import first_failure
 from clusterlm.launch import spawn
 from clusterlm.metrics import METRICS
-from clusterlm.train_config import TRAIN_CONFIG
+from clusterlm.procenv import AGENT_PID_ENV
+from clusterlm.rank_start import rank_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -113,9 +114,9 @@ def live_run(tiny, tmp_path_factory):
             assert time.monotonic() < deadline, f"no step after 240 s:\n{log.read_text()[-3000:]}"
             seen.update(_descendants(proc.pid))
             time.sleep(0.1)
-        ranks = {int(_environ(p)["RANK"]): p for p in _descendants(proc.pid)
-                 if f"clusterlm train --config {out / TRAIN_CONFIG}" in _cmdline(p) and "RANK" in _environ(p)}
+        ranks = rank_pids(proc.pid)  # forked from the agent's fork server, named clusterlm-r<RANK>
         assert sorted(ranks) == [0, 1], {p: _cmdline(p) for p in _descendants(proc.pid)}
+        assert all(_environ(p).get(AGENT_PID_ENV) for p in ranks.values())  # started by this run's agent
         yield SimpleNamespace(proc=proc, out=out, log=log, ranks=ranks, tiny=tiny)
     finally:
         _kill_all([*_descendants(proc.pid), *seen, proc.pid])
