@@ -373,7 +373,6 @@ def run_agent(argv: Sequence[str]) -> int:
     _quiet_torchrun()
     rank_start.adapt_torch_agent()
     try:
-        rank_start.start_fork_server()  # its imports overlap the rendezvous
         rank_start.launch(argv)
     except ChildFailedError as e:
         line, code = first_failure(e.failures, rank_start.KILLED_STOPPED)

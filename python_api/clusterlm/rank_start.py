@@ -47,8 +47,8 @@ KILLED_STOPPED: set[int] = set()  # pids of stopped ranks the agent in this proc
 
 
 def start_fork_server() -> None:
-    """Start the fork server now (it imports :data:`PRELOAD` while the agent meets the other nodes), with
-    unbuffered output in the ranks (``python -u``). Idempotent."""
+    """Start the fork server now (:func:`launch` does, before the rendezvous: the server imports :data:`PRELOAD`
+    while the agent meets the other nodes), with unbuffered output in the ranks (``python -u``). Idempotent."""
     import multiprocessing
     from multiprocessing import forkserver
 
@@ -115,8 +115,11 @@ def adapt_torch_agent() -> None:
         if any(p.exitcode not in (None, 0) for p in processes):
             for p in processes:
                 if p.exitcode is None and process_stopped(p.pid):
-                    os.kill(p.pid, signal.SIGKILL)
-                    KILLED_STOPPED.add(p.pid)
+                    try:
+                        os.kill(p.pid, signal.SIGKILL)
+                        KILLED_STOPPED.add(p.pid)
+                    except OSError:  # it ended in between
+                        pass
         result = monitor(self, worker_group)
         if result.is_failed():
             result.failures = _all_failures(self._pcontext, worker_group) or result.failures
