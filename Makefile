@@ -15,17 +15,18 @@ NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc
 unexport PYTHONDONTWRITEBYTECODE
 
 # The environment and the extension in one step: pip's editable install of the project builds csrc/ (in parallel,
-# one job per core) while a second pip installs the packages setup.py asks for (with the `test` extra; pip installs
-# one file after the other), so a fresh checkout compiles the extension once, beside the downloads and unpacking;
-# a changed source or setup file runs it again, where the installed packages cost pip a few seconds.
+# one job per core; it needs pybind11 and setuptools only, not torch) while a second pip installs torch and the
+# packages setup.py asks for (with the `test` extra; pip installs one file after the other, torch's alone takes one
+# core for about 10 s), so a fresh checkout compiles the extension once, beside the downloads and unpacking; a
+# changed source or setup file runs it again, where the installed packages cost pip a few seconds.
 $(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile "$(TORCH)" "setuptools>=68" wheel "pybind11>=2.12" "numpy>=1.24"
+	$(PIP) install -q --no-compile "setuptools>=68" wheel "pybind11>=2.12"
 	rm -rf $(VENV)/meta && mkdir -p $(VENV)/meta
 	$(PY) setup.py -q egg_info --egg-base $(VENV)/meta > /dev/null
 	$(PY) -c "$$TEST_REQUIREMENTS" $(VENV)/meta > $(VENV)/meta/requirements-test.txt
 	$(PIP) install -q --no-compile --no-build-isolation --no-deps -e . & build=$$!; \
-	$(PIP) install -q --no-compile -r $(VENV)/meta/requirements-test.txt; deps=$$?; \
+	$(PIP) install -q --no-compile "$(TORCH)" "numpy>=1.24" -r $(VENV)/meta/requirements-test.txt; deps=$$?; \
 	wait $$build && exit $$deps
 	touch $@
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
 from clusterlm._io import atomic_write, atomic_write_text, storage_errors
@@ -42,6 +41,7 @@ from clusterlm.data import collate
 from clusterlm.fsdp import (
     STATE_FILE,
     ShardedAdafactor,
+    is_dtensor,
     is_sharded,
     load_sharded_checkpoint,
     write_sharded_checkpoint,
@@ -177,7 +177,7 @@ def optimizer_step(
     grad_norm = float("nan")
     if max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: the global norm
+        grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)  # sharded: the global norm
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
@@ -291,7 +291,7 @@ def build_optimizer(
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if kind == "adafactor":
-        sharded = any(isinstance(p, DTensor) for p in params)
+        sharded = any(is_dtensor(p) for p in params)
         return ShardedAdafactor(groups, lr=lr) if sharded else torch.optim.Adafactor(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 

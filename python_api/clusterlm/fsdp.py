@@ -23,27 +23,25 @@ saved. :func:`save_full_model` gathers the full state to rank 0 and writes a nor
 Adafactor: ``torch.optim.Adafactor`` updates its factored statistics in place, which sharded (DTensor) gradients
 do not allow; :class:`ShardedAdafactor` is the same algorithm with out-of-place reductions (equal to it on plain
 tensors, bit for bit), used when the parameters are sharded.
+
+Imports: torch's FSDP2, distributed-checkpoint and DTensor modules are imported by the functions that use them, not
+with this module: they cost about 1 s of CPU (sympy with them), which every process importing the package paid (the
+CLI, ``clusterlm --help``, a launcher, a DDP rank); :func:`is_dtensor` and :func:`is_sharded` answer without them.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from clusterlm._io import atomic_write, fsync_dir, storage_errors
 from clusterlm.launch import DistInfo, barrier
@@ -157,6 +155,9 @@ def shard_model(model: torch.nn.Module, di: DistInfo, *, bf16: bool) -> torch.nn
     if not di.distributed:
         raise ValueError("train: --fsdp shards the model over the ranks and needs at least 2 processes (--nproc 2, "
                          "or torchrun); one process trains the whole model anyway: drop --fsdp.")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     blocks = decoder_blocks(model)
     mesh = init_device_mesh(di.device.type, (di.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else (
@@ -168,8 +169,17 @@ def shard_model(model: torch.nn.Module, di: DistInfo, *, bf16: bool) -> torch.nn
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """True when ``model`` or a submodule of it is FSDP2-sharded (``fully_shard``)."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    """True when ``model`` or a submodule of it is FSDP2-sharded (``fully_shard``); imports no FSDP module (before
+    torch's FSDP2 is imported, nothing can be sharded)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def is_dtensor(value: Any) -> bool:
+    """True when ``value`` is a ``DTensor`` (a sharded parameter, gradient or norm of an FSDP2 model); imports no
+    DTensor module (before torch's DTensor is imported, no tensor can be one)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,7 +206,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
 
     @staticmethod
     def _number(x: torch.Tensor) -> float:
-        return float((x.full_tensor() if isinstance(x, DTensor) else x).item())
+        return float((x.full_tensor() if is_dtensor(x) else x).item())
 
     def _update(self, p: torch.nn.Parameter, group: dict[str, Any]) -> None:
         grad = -p.grad if group["maximize"] else p.grad
@@ -248,6 +258,8 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
 
 
 def _state_options(only_trainable: bool) -> StateDictOptions:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     # LoRA: the frozen base is neither saved nor expected back (it comes from --model)
     return StateDictOptions(ignore_frozen_params=only_trainable, strict=not only_trainable)
 
@@ -273,6 +285,9 @@ def write_sharded_checkpoint(target: Path, *, model: torch.nn.Module, optimizer:
             shutil.rmtree(partial, ignore_errors=True)  # what a killed run left
             partial.mkdir(parents=True)
     barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(only_trainable))
     try:
         with storage_errors(partial):
@@ -298,6 +313,9 @@ def load_sharded_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: to
     Raises:
         ValueError: the checkpoint lacks parameters of this model (other ``--model`` / ``--lora-*``).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     options = _state_options(only_trainable)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     try:
@@ -325,6 +343,8 @@ def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's CPU (empty on the other ranks); every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -345,6 +365,8 @@ def save_full_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path, di: D
 
 def _unwrapped_class(model: torch.nn.Module) -> type:
     """The model's class before ``fully_shard`` (which subclasses it as ``FSDP<Class>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
@@ -365,7 +387,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
     if not issubclass(cls, PreTrainedModel):
         raise TypeError(f"cannot build an unsharded copy of a sharded {cls.__name__}: select the plan on the model "
                         "before it is sharded (clusterlm.select), and pass plan=.")
-    state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+    state = {name: (t.full_tensor() if is_dtensor(t) else t).detach().to("cpu", copy=True)
              for name, t in model.state_dict().items()}
     with torch.device("meta"):
         copy = cls(model.config)

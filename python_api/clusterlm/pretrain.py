@@ -31,6 +31,7 @@ import torch
 
 from clusterlm.demo import DemoData
 from clusterlm.engine import build_optimizer, build_scheduler, optimizer_step
+from clusterlm.model_dir import save_model_dir
 
 __all__ = ["PRETRAIN_DEFAULTS", "build", "build_tiny_llama_pretrained", "pretrain_causal_lm", "tiny_llama_config",
            "token_blocks"]
@@ -181,8 +182,7 @@ def build_tiny_llama_pretrained(out_dir: Path, demo: DemoData, **overrides: Any)
                                      seed=cfg["seed"])
     finally:
         torch.set_num_threads(saved_threads)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    save_model_dir(model, tokenizer, out_dir)
     info = {"settings": cfg, "tokens": len(ids), "source": str(demo.pretrain), **log}
     (Path(out_dir) / "pretrain.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info

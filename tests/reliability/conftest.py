@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -12,10 +13,12 @@ N_EXAMPLES = 16
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+def tiny(tmp_path_factory: pytest.TempPathFactory, demo: Any) -> SimpleNamespace:
     """16 prompt/response records in ``train.jsonl``; ``argv(out, *extra)`` trains tiny-llama on them.
 
-    ``--plan full`` (the baseline is built from the data, for any world size), no progress bar, no final model.
+    ``--plan full`` (the baseline is built from the data, for any world size), no progress bar, no final model. The
+    commands run in the session's ``CLUSTERLM_HOME`` (``demo``: tiny-llama built once for the whole suite), never in
+    ``~/.cache/clusterlm``.
     """
     root = tmp_path_factory.mktemp("reliability")
     data = root / "train.jsonl"

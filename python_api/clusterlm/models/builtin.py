@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from clusterlm.demo import DemoData, demo_data
+from clusterlm.model_dir import save_model_dir
 from clusterlm.models.ids import INFO_FILE, compute_model_id
 from clusterlm.pretrain import build as build_pretrained_tiny_llama
 from clusterlm.pretrain import tiny_llama_config
@@ -54,8 +55,7 @@ def _build_tiny_llama(out_dir: Path, demo: DemoData) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         model = LlamaForCausalLM(config)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    save_model_dir(model, tokenizer, out_dir)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from clusterlm.demo import default_root
+from clusterlm.model_dir import save_model_dir
 from clusterlm.models.builtin import build_once
 from clusterlm.models.ids import INFO_FILE
 
@@ -120,8 +121,7 @@ def _write_gguf_as_hf(gguf_path: Path, out_dir: Path) -> None:
         plain.tie_weights()
     missing = [n for n, p in plain.named_parameters() if p.is_meta]
     assert not missing, f"GGUF conversion left parameters unset: {missing[:5]}"
-    plain.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    save_model_dir(plain, tokenizer, out_dir)
 
 
 def convert_gguf(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None,
