@@ -74,7 +74,8 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tiny):
     out = tiny.root / "faults_reference"
-    subprocess.run(_argv(tiny, out), check=True, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(_argv(tiny, out), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]  # the run's own error line, not only its exit status
     return SimpleNamespace(out=out, losses=_losses(out))
 
 
