@@ -187,7 +187,7 @@ setup(
     ],
     extras_require={
         "lora": ["peft>=0.10"],
-        # --report-to tensorboard / wandb (clusterlm.reporting); both optional.
+        # --report-to tensorboard / wandb (clusterlm.training.reporting); both optional.
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.16"],
         # `make docs`: the documentation site (MkDocs Material; the API reference from the docstrings).
@@ -224,6 +224,6 @@ setup(
             "k-means-constrained>=0.9",
         ],
     },
-    entry_points={"console_scripts": ["clusterlm=clusterlm.cli:main"]},
+    entry_points={"console_scripts": ["clusterlm=clusterlm.cli.commands:main"]},
     zip_safe=False,
 )

@@ -5,9 +5,9 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_compare.py                        # the issue's workload -> results/compare.json
     .venv/bin/python benchmarks/bench_compare.py --train-examples 400 --seeds 1 --out /tmp/c.json   # reduced scale
 
-Workload (issue 6): the built-in standard-library code data set (:mod:`clusterlm.demo`, train split;
+Workload (issue 6): the built-in standard-library code data set (:mod:`clusterlm.data.demo`, train split;
 held-out split for evaluation minus the last ``--n-validation`` examples, LESS's validation set); the
-base model ``tiny-llama-pretrained`` (:mod:`clusterlm.pretrain`: a short causal-LM pre-training on the
+base model ``tiny-llama-pretrained`` (:mod:`clusterlm.models.pretrain`: a short causal-LM pre-training on the
 demo's ``pretrain.txt``, standard-library source disjoint from both splits; built once and cached under
 the demo directory, its build time is not part of any method's time); ratio 0.31, world size 2 (two
 gloo CPU ranks, or two GPUs), 3 seeds. All seven methods run side by side in one
@@ -68,9 +68,9 @@ def _goal(goal: str, measured: str, met: bool | None) -> dict[str, Any]:
 def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's five goals from the per-method means (a goal whose methods did not run is not met: None).
 
-    The ratios are :func:`clusterlm.compare_stats.goals`'s; this adds the wording, the inputs and the verdicts.
+    The ratios are :func:`clusterlm.comparison.statistics.goals`'s; this adds the wording, the inputs and the verdicts.
     """
-    from clusterlm.compare_stats import goals
+    from clusterlm.comparison.statistics import goals
 
     g = goals(summary)
     out = []
@@ -107,10 +107,10 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from clusterlm.cli import compare_config, compare_parser
-    from clusterlm.compare_config import METHODS
-    from clusterlm.compare_run import compare
-    from clusterlm.demo import demo_data
+    from clusterlm.cli.commands import compare_config, compare_parser
+    from clusterlm.comparison.run import compare
+    from clusterlm.config.comparison import METHODS
+    from clusterlm.data.demo import demo_data
     from clusterlm.models import load_model
 
     t_start = time.perf_counter()
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         subset = work / f"train_first{args.train_examples}.jsonl"
         subset.write_text("".join(lines), encoding="utf-8")
         data, scale = str(subset), f"reduced: first {len(lines)} examples of the demo train split"
-    from clusterlm.options import parse_config
+    from clusterlm.cli.options import parse_config
 
     cargv = ["--data", data, "--eval-data", str(demo.heldout), "--model", args.model, "--ratio", str(args.ratio),
              "--world-size", str(args.world_size), "--methods", args.methods, "--seeds", str(args.seeds),

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from clusterlm.rank_start import rank_pids
+from clusterlm.launch.ranks import rank_pids
 
 STEPS, SAVE_EVERY, AT = 400, 10, 15
 OUT = Path(__file__).resolve().parent / "results" / "faults.json"

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finished(work: Path) -> dict[tuple[str, int], dict[str, Any]]:
     """The records of ``work``'s compare state with the settings of its newest record."""
-    from clusterlm.compare_run import STATE, read_state
+    from clusterlm.comparison.run import STATE, read_state
 
     records = read_state(work / STATE)
     if not records:
@@ -119,8 +119,8 @@ def window_decision(records: dict[tuple[str, int], dict[str, Any]]) -> list[str]
     """The feature-window decision: each window's held-out loss vs ``cluster-whole`` with its 95 % interval
     (paired by seed, over seeds and evaluation examples); the default becomes the window not distinguishably worse
     than whole examples (interval's low end <= 0) at the lowest selection cost, else whole examples."""
-    from clusterlm.compare_stats import delta_between
-    from clusterlm.stats import interval_text
+    from clusterlm.comparison.bootstrap import interval_text
+    from clusterlm.comparison.statistics import delta_between
 
     def of(method: str) -> list[dict[str, Any]]:
         return [r for (m, _), r in sorted(records.items(), key=lambda kv: kv[0][1]) if m == method]
@@ -148,7 +148,7 @@ def window_decision(records: dict[tuple[str, int], dict[str, Any]]) -> list[str]
 def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple[Path, Path, dict[str, Any]]:
     """The fixed training and held-out subsets as JSONL files in ``work`` (same files on every rerun)."""
     from clusterlm.data import load_data
-    from clusterlm.demo import demo_data
+    from clusterlm.data.demo import demo_data
 
     demo = demo_data()
     picked: dict[str, Any] = {}
@@ -172,9 +172,9 @@ def write_subsets(args: argparse.Namespace, work: Path, tokenizer: Any) -> tuple
 
 def _compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path, methods: list[str], seeds: int,
              lora: bool, budget: str = "examples") -> dict[str, Any]:
-    from clusterlm.cli import compare_config, compare_parser
-    from clusterlm.compare_run import compare
-    from clusterlm.options import parse_config
+    from clusterlm.cli.commands import compare_config, compare_parser
+    from clusterlm.cli.options import parse_config
+    from clusterlm.comparison.run import compare
 
     cargv = ["--data", str(data), "--eval-data", str(heldout), "--model", MODEL, "--ratio", str(args.ratio),
              "--world-size", str(args.world_size), "--methods", ",".join(methods), "--seeds", str(seeds),
@@ -205,7 +205,7 @@ def _rows(summary: dict[str, dict[str, Any]]) -> list[list[Any]]:
 def token_section(records: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any] | None:
     """The token-matched table: per method its selected and trained tokens, held-out loss, and the paired difference
     to random and to longest with its 95 % interval; the notes name the best method at equal tokens."""
-    from clusterlm.compare_stats import delta_between, summarize
+    from clusterlm.comparison.statistics import delta_between, summarize
 
     if not records:
         return None
@@ -259,7 +259,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model_id: str
                  records: dict[tuple[str, int], dict[str, Any]], lora_records: dict[tuple[str, int], dict[str, Any]],
                  t_start: float, token_records: dict[tuple[str, int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write ``--out`` from the units done so far (called after each stage, so a cut run still reports)."""
-    from clusterlm.compare_stats import summarize
+    from clusterlm.comparison.statistics import summarize
 
     seen = list(dict.fromkeys(k[0] for k in records))  # method variants (cluster[...]) keep their spec as label
     all_methods = [m for m in ALL if m in seen] + [m for m in seen if m not in ALL]

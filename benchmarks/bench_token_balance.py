@@ -5,14 +5,14 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_token_balance.py                 # writes benchmarks/results/token_balance.json
     .venv/bin/python benchmarks/bench_token_balance.py --steps 10 --out /tmp/tb.json   # smoke
 
-What is compared. One CluSTER feature extraction of the demo data set (``clusterlm.demo``, the
+What is compared. One CluSTER feature extraction of the demo data set (``clusterlm.data.demo``, the
 ``tiny-llama`` model, world size 2, ratio 0.31, default preset) and two plans from the same features,
-K-means and seed (:func:`clusterlm.select.select_from_features`):
+K-means and seed (:func:`clusterlm.selection.select.select_from_features`):
 
 - ``token_balance=True`` (the default): rank token totals equalised by exchanging up to
   ``token_balance_slack`` of each cluster's pick for its next candidates, and a visit order in which the
   ranks hold examples of the same length quantile at every position (one shared random permutation of
-  length-sorted lists, :func:`clusterlm.allocation.visit_order`);
+  length-sorted lists, :func:`clusterlm.selection.allocation.visit_order`);
 - ``token_balance=False`` ("plain cluster order"): the farthest picks as they are, every rank's list
   shuffled independently.
 
@@ -57,9 +57,9 @@ def make_plans(work: Path, ratio: float, max_length: int, seed: int) -> tuple[di
     """Featurize once, save the token-balanced and the plain plan; returns their directories, the demo data
     and how many selected examples the two plans share (same rank)."""
     from clusterlm.data import load_data
-    from clusterlm.demo import demo_data
+    from clusterlm.data.demo import demo_data
     from clusterlm.models import load_model
-    from clusterlm.select import select, select_from_features
+    from clusterlm.selection.select import select, select_from_features
 
     demo = demo_data()
     model, tokenizer, model_id = load_model("tiny-llama")
@@ -81,8 +81,8 @@ def make_plans(work: Path, ratio: float, max_length: int, seed: int) -> tuple[di
 def run_training(plan_dir: Path, out: Path, demo: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train 2 gloo ranks on the plan; returns the train records of metrics.jsonl."""
     from clusterlm import TrainConfig, train
-    from clusterlm.launch import SpawnFailed
-    from clusterlm.metrics import METRICS
+    from clusterlm.launch.launcher import SpawnFailed
+    from clusterlm.training.metrics import METRICS
 
     config = TrainConfig(plan=str(plan_dir), model="tiny-llama", data=str(demo.train), out=str(out),
                          max_length=args.max_length, max_steps=args.steps, micro_batch_size=args.micro_batch_size,

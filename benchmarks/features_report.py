@@ -167,7 +167,7 @@ def trak_basic_project(
 
 
 def section_less(model, examples, dims, repeats, max_blocks) -> tuple[dict, list[dict]]:
-    from clusterlm.features import GradientFeaturizer
+    from clusterlm.selection.features import GradientFeaturizer
 
     names = block_linear_names(model)
     rows, targets, notes = [], [], []
@@ -267,7 +267,7 @@ def section_less(model, examples, dims, repeats, max_blocks) -> tuple[dict, list
 
 
 def section_train_ratio(model, batches, repeats) -> tuple[dict, list[dict]]:
-    from clusterlm.features import GradientFeaturizer
+    from clusterlm.selection.features import GradientFeaturizer
 
     train_model = copy.deepcopy(model)
     train_model.train()

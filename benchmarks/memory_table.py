@@ -41,7 +41,7 @@ MODELS = {  # Llama-2: hidden, intermediate, layers, heads, kv heads
     "Llama-2-70B": (8192, 28672, 80, 64, 8),
 }
 VOCAB = 32000
-SELECT_TOKENS = 8192  # clusterlm.features.DEFAULT_BATCH_TOKENS
+SELECT_TOKENS = 8192  # clusterlm.selection.features.DEFAULT_BATCH_TOKENS
 TRAIN_TOKENS = 4 * 1024  # the trainer's defaults: micro-batch 4 x max length 1024
 K_FEATURE = 32  # default projected feature 32 x 32
 LOGIT_BYTES = 12  # per token and vocabulary entry at the loss: bf16 logits, fp32 copy and log-softmax, gradient
@@ -216,7 +216,7 @@ def rows_for(name: str) -> dict[str, Any]:
     act = TRAIN_TOKENS * (layers * train_act + VOCAB * LOGIT_BYTES)
     ddp_states = 16 * p + 4 * p + layers * casts  # fp32 weights, grads, AdamW m and v; DDP's gradient buckets;
     # autocast's bf16 copy of every layer's weights, saved for backward
-    # FSDP2 as clusterlm.fsdp shards (MixedPrecisionPolicy: bf16 params, float32 reduce): the shards, two gathered
+    # FSDP2 as clusterlm.engine.fsdp shards (MixedPrecisionPolicy: bf16 params, float32 reduce): the shards, two gathered
     # bf16 blocks with their float32 gradients for the reduce-scatter, and the root (embedding, lm head) likewise
     fsdp_states = 16 * p / FSDP_RANKS + (2 * pc["layer"] + pc["embed"] + pc["head"]) * (2 + 4)
     return {

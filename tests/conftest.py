@@ -95,7 +95,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ``CLUSTERLM_HOME`` points at a session temporary directory while it is in use (the documentation's blocks and
     the spawned ranks inherit it), so nothing is written to ``~/.cache/clusterlm``. The pytest-xdist workers share
     it (their temporary directories' parent): the first builds, under the demo's lock, and the others reuse it."""
-    from clusterlm.demo import demo_data
+    from clusterlm.data.demo import demo_data
 
     base = tmp_path_factory.getbasetemp()
     home = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "clusterlm_home"

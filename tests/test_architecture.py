@@ -180,10 +180,10 @@ def test_no_private_name_crosses_a_module():
 @pytest.mark.parametrize(
     "source",
     [
-        "import clusterlm.train_loop\n",
+        "import clusterlm.training.loop\n",
         "def f():\n    from clusterlm import train_loop\n",
-        "def f():\n    return __import__('clusterlm.train_loop')\n",
-        "import importlib\nx = importlib.import_module('clusterlm.train_loop')\n",
+        "def f():\n    return __import__('clusterlm.training.loop')\n",
+        "import importlib\nx = importlib.import_module('clusterlm.training.loop')\n",
     ],
 )
 def test_the_checker_sees_every_import_form(source, tmp_path, monkeypatch):
@@ -191,26 +191,26 @@ def test_the_checker_sees_every_import_form(source, tmp_path, monkeypatch):
     fake = tmp_path / "select_fake.py"
     fake.write_text(source)
     monkeypatch.setitem(MODULES, "clusterlm.select_fake", fake)
-    train = MODULES["clusterlm.train_loop"]
+    train = MODULES["clusterlm.training.loop"]
     planted = tmp_path / "train_loop.py"
     planted.write_text(train.read_text() + "\ndef _planted():\n    import clusterlm.select_fake\n")
-    monkeypatch.setitem(MODULES, "clusterlm.train_loop", planted)
+    monkeypatch.setitem(MODULES, "clusterlm.training.loop", planted)
     assert any("clusterlm.select_fake" in c for c in cycles(import_graph()))
 
 
 def test_the_main_guard_is_the_only_exemption(tmp_path, monkeypatch):
     planted = tmp_path / "train_loop.py"
-    guarded = 'if __name__ == "__main__":\n    from clusterlm.cli import main\n'
-    planted.write_text(MODULES["clusterlm.train_loop"].read_text() + "\n" + guarded)
-    monkeypatch.setitem(MODULES, "clusterlm.train_loop", planted)
-    assert ("clusterlm.cli", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.train_loop")}
-    planted.write_text(MODULES["clusterlm.train_loop"].read_text() + "\nif True:\n    from clusterlm.cli import main\n")
-    assert ("clusterlm.cli", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.train_loop")}
+    guarded = 'if __name__ == "__main__":\n    from clusterlm.cli.commands import main\n'
+    planted.write_text(MODULES["clusterlm.training.loop"].read_text() + "\n" + guarded)
+    monkeypatch.setitem(MODULES, "clusterlm.training.loop", planted)
+    assert ("clusterlm.cli.commands", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.training.loop")}
+    planted.write_text(MODULES["clusterlm.training.loop"].read_text() + "\nif True:\n    from clusterlm.cli.commands import main\n")
+    assert ("clusterlm.cli.commands", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.training.loop")}
 
 
 def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
     fake = tmp_path / "fake.py"
-    fake.write_text("from clusterlm.select import _private_helper\nfrom cluster_kernels import _backend\n")
+    fake.write_text("from clusterlm.selection.select import _private_helper\nfrom cluster_kernels import _backend\n")
     monkeypatch.setitem(MODULES, "clusterlm.fake", fake)
     bad = [b for b in private_imports() if "fake.py" in b]
     assert len(bad) == 1 and "_private_helper" in bad[0]
@@ -355,7 +355,7 @@ MAX_CMD_LINES = 25
 
 def cli_work_functions(path: Path | None = None) -> list[str]:
     """Functions of cli.py that are neither parsing nor error mapping (or a cmd_* entry over 25 lines)."""
-    path = path or MODULES["clusterlm.cli"]
+    path = path or MODULES["clusterlm.cli.commands"]
     out = []
     for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -519,7 +519,7 @@ def test_the_cpp_size_rules_see_planted_violations(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 MAX_MODULE_LINES = 600
-NAMESPACE_ALLOWED = {"clusterlm.cli"}  # the one module that may hold argparse namespaces (report / export / demo)
+NAMESPACE_ALLOWED = {"clusterlm.cli.commands"}  # the one module that may hold argparse namespaces (report / export / demo)
 
 
 def long_modules(modules: dict[str, Path], limit: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:

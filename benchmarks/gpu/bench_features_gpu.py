@@ -298,7 +298,7 @@ def section_lm_head(smoke: bool, bandwidth: float) -> tuple[dict, list[dict]]:
 def section_featurize(smoke: bool) -> tuple[dict, list[dict]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from clusterlm.features import GradientFeaturizer
+    from clusterlm.selection.features import GradientFeaturizer
 
     vocab, hidden, layers, inter, seq, bsz, n_batches = (
         (500, 64, 2, 128, 32, 2, 1) if smoke else (32000, 1024, 8, 2816, 1024, 8, 3)

@@ -111,7 +111,7 @@ def _examples(data: Any, n: int) -> list[dict[str, Any]]:
 
 
 def _features(model: Any, examples: list[dict[str, Any]], batch_tokens: int) -> np.ndarray:
-    from clusterlm.features import GradientFeaturizer
+    from clusterlm.selection.features import GradientFeaturizer
 
     fz = GradientFeaturizer(model, features="lm_head", dim=(32, 32), seed=0)
     return np.asarray(fz.featurize(examples, batch_tokens=batch_tokens, progress=False))

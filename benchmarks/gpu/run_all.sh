@@ -134,7 +134,7 @@ run_step bench_kmeans 120 "$OUT_DIR/bench.log" "$PY" benchmarks/gpu/bench_kmeans
 run_step bench_features 90 "$OUT_DIR/bench.log" "$PY" benchmarks/gpu/bench_features_gpu.py --out "$OUT_DIR"
 
 # ---- select on SmolLM2-135M in bfloat16 on the GPU, on the demo data
-TRAIN=$("$PY" -c "from clusterlm.demo import demo_data; print(demo_data(verbose=False).train)" 2>>"$LOG" || true)
+TRAIN=$("$PY" -c "from clusterlm.data.demo import demo_data; print(demo_data(verbose=False).train)" 2>>"$LOG" || true)
 if [[ -z "$TRAIN" ]]; then
   note "demo data could not be built (see run_all.log); the select and features steps will fail"
   TRAIN=missing-demo-data.jsonl

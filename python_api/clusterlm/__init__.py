@@ -11,59 +11,69 @@
                                                    out="run/", nproc=2, max_steps=40))  # the reference trainer
     report = clusterlm.compare(clusterlm.CompareConfig(methods=("random", "cluster"), seeds=(0, 1)))
 
-Importing ``clusterlm`` does not import transformers; the featurizer, models and the Hugging Face
-integration (``clusterlm.integrations.hf``) load it when used.
+Importing ``clusterlm`` imports neither torch nor transformers: every public name below is loaded from its
+subpackage on first use (docs/architecture.md lists the subpackages and their jobs), so a config can be built,
+read and checked without them.
 """
 
+import importlib
+import sys
+import types
 from typing import Any
 
-from clusterlm.allocation import selection_weights
-from clusterlm.compare_config import CompareConfig
-from clusterlm.config import SelectConfig
-from clusterlm.data import SFTDataset, collate, fingerprint, load_data
-from clusterlm.features import LAYER_PRESETS, GradientFeaturizer
-from clusterlm.loss import per_example_loss, weighted_loss
-from clusterlm.plan import Plan
-from clusterlm.sampler import PlanSampler
-from clusterlm.select import select, select_from_features
-from clusterlm.store import FeatureStore
-from clusterlm.train_config import TrainConfig
-
-__all__ = [
-    "LAYER_PRESETS",
-    "CompareConfig",
-    "CompareResult",
-    "TrainConfig",
-    "TrainResult",
-    "compare",
-    "train",
-    "FeatureStore",
-    "GradientFeaturizer",
-    "Plan",
-    "PlanSampler",
-    "SFTDataset",
-    "SelectConfig",
-    "collate",
-    "fingerprint",
-    "load_data",
-    "per_example_loss",
-    "select",
-    "select_from_features",
-    "selection_weights",
-    "weighted_loss",
-]
 __version__ = "0.1.0"
 
-# The entry points that run jobs load the trainer and the baselines (transformers) on first use.
-_LAZY = {"train": "clusterlm.train_launch", "TrainResult": "clusterlm.train_launch",
-         "compare": "clusterlm.compare_run", "CompareResult": "clusterlm.compare_output"}
+# public name -> the module that defines it, loaded on first use
+_PUBLIC = {
+    "SelectConfig": "clusterlm.config.selection",
+    "TrainConfig": "clusterlm.config.training",
+    "CompareConfig": "clusterlm.config.comparison",
+    "ExportConfig": "clusterlm.config.export",
+    "select": "clusterlm.selection.select",
+    "select_from_features": "clusterlm.selection.select",
+    "selection_weights": "clusterlm.selection.allocation",
+    "GradientFeaturizer": "clusterlm.selection.features",
+    "LAYER_PRESETS": "clusterlm.config.selection",
+    "FeatureStore": "clusterlm.selection.store",
+    "Plan": "clusterlm.plan",
+    "PlanSampler": "clusterlm.plan.sampler",
+    "SFTDataset": "clusterlm.data",
+    "collate": "clusterlm.data",
+    "fingerprint": "clusterlm.data",
+    "load_data": "clusterlm.data",
+    "per_example_loss": "clusterlm.engine.loss",
+    "weighted_loss": "clusterlm.engine.loss",
+    "train": "clusterlm.training.run",
+    "TrainResult": "clusterlm.training.run",
+    "compare": "clusterlm.comparison.run",
+    "CompareResult": "clusterlm.comparison.output",
+}
+__all__ = sorted(_PUBLIC)
+
+# `python -m clusterlm.train` is a module of this package; importing it (as runpy's parent look-up, pkgutil or a
+# documentation tool may) would set the attribute `clusterlm.train` to that module and hide the function.
+_FUNCTIONS = ("select", "train", "compare")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'clusterlm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+class _Package(types.ModuleType):
+    """The package module: a submodule import never replaces one of the job functions (`clusterlm.train`)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,5 +1,5 @@
 import sys
 
-from clusterlm.cli import main
+from clusterlm.cli.commands import main
 
 sys.exit(main())

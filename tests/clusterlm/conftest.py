@@ -45,7 +45,7 @@ def small_sft(demo, tmp_path_factory):
     """60 short training examples and 16 held-out ones of the demo splits, and a 2-rank plan on them."""
     from clusterlm.data import load_data
     from clusterlm.models import load_model
-    from clusterlm.select import select_from_features
+    from clusterlm.selection.select import select_from_features
 
     root = tmp_path_factory.mktemp("small_sft")
     _, tokenizer, model_id = load_model("tiny-llama")

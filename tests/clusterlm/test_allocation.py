@@ -1,4 +1,4 @@
-"""Allocation to ranks (clusterlm.allocation): cluster-per-rank and stratified deals, visit orders, token
+"""Allocation to ranks (clusterlm.selection.allocation): cluster-per-rank and stratified deals, visit orders, token
 rebalancing, balance statistics and the selection weights ``(n_c / N) (S / s_c)``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.allocation import (
+from clusterlm.selection.allocation import (
     ALLOCATIONS,
     BALANCE_BATCH_SIZES,
     allocate,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import clusterlm
-from clusterlm import cli
-from clusterlm.options import parse_config
-from clusterlm.reporting import TENSORBOARD_DIR, check_report_to
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.training.reporting import TENSORBOARD_DIR, check_report_to
 
 MAX_LENGTH = 96  # = small_sft.max_length (tests/clusterlm/conftest.py)
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from tiny_cases import baseline_examples as _examples  # tiny_model: the fixture of conftest.py
 
-from clusterlm.baselines._training import TrainLoopConfig, example_losses, train_loop
-from clusterlm.baselines.ifd import answer_only, ifd_plan, ifd_select
-from clusterlm.baselines.less import (
+from clusterlm.plan import Plan
+from clusterlm.selection.baselines._training import TrainLoopConfig, example_losses, train_loop
+from clusterlm.selection.baselines.ifd import answer_only, ifd_plan, ifd_select
+from clusterlm.selection.baselines.less import (
     LESS_DIM,
     LessConfig,
     adam_precondition,
@@ -24,8 +25,7 @@ from clusterlm.baselines.less import (
     lora_model,
     lora_params,
 )
-from clusterlm.baselines.s2l import S2LConfig, balanced_cluster_sample, build_proxy, s2l_plan
-from clusterlm.plan import Plan
+from clusterlm.selection.baselines.s2l import S2LConfig, balanced_cluster_sample, build_proxy, s2l_plan
 
 IGNORE = -100
 
@@ -212,7 +212,7 @@ def test_less_plan_exact_budget_deterministic(tiny_model):
 
 
 def test_model_baseline_specs(tiny_model):
-    from clusterlm.baselines import baseline_plan, is_baseline_spec
+    from clusterlm.selection.baselines import baseline_plan, is_baseline_spec
 
     data = _examples()
     plan = baseline_plan("ifd:16", data, 2, seed=1, model=tiny_model)

@@ -1,12 +1,12 @@
-"""The length baseline (:func:`clusterlm.baselines.longest_plan`): the most answer tokens at the example budget."""
+"""The length baseline (:func:`clusterlm.selection.baselines.longest_plan`): the most answer tokens at the example budget."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from clusterlm.baselines import longest_plan
-from clusterlm.baselines.longest import answer_tokens
+from clusterlm.selection.baselines import longest_plan
+from clusterlm.selection.baselines.longest import answer_tokens
 
 
 def _data(answers: list[int], prompt: int = 3) -> list[dict]:

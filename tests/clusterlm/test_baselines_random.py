@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from tiny_cases import random_examples
 
-from clusterlm.baselines import baseline_plan, full_plan, is_baseline_spec, random_plan
 from clusterlm.data import fingerprint
 from clusterlm.plan import Plan
+from clusterlm.selection.baselines import baseline_plan, full_plan, is_baseline_spec, random_plan
 
 
 def _examples(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:

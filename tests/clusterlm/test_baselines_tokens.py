@@ -1,6 +1,6 @@
 """Token budgets of the baselines (``token_ratio`` / ``token_budget``): every method keeps a prefix of its own
 order, ``m`` examples per rank, whose prompt + answer tokens come closest to the budget (the cluster method's
-rule, :func:`clusterlm.budget.count_for_tokens`), so the selection is within one example per rank of it, and
+rule, :func:`clusterlm.config.budget.count_for_tokens`), so the selection is within one example per rank of it, and
 the plan records the requested and selected tokens as the cluster method's does."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_cases import baseline_examples as _examples  # tiny_model: the fixture of conftest.py
 
-from clusterlm.baselines import baseline_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
-from clusterlm.baselines._plans import prefix_for_tokens, resolve_amount
-from clusterlm.baselines._training import example_losses
-from clusterlm.baselines.ifd import answer_only, ifd_order
-from clusterlm.baselines.longest import answer_tokens
-from clusterlm.baselines.s2l import balanced_cluster_order, balanced_cluster_sample
 from clusterlm.data import lengths_of
 from clusterlm.plan import Plan
+from clusterlm.selection.baselines import baseline_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
+from clusterlm.selection.baselines._plans import prefix_for_tokens, resolve_amount
+from clusterlm.selection.baselines._training import example_losses
+from clusterlm.selection.baselines.ifd import answer_only, ifd_order
+from clusterlm.selection.baselines.longest import answer_tokens
+from clusterlm.selection.baselines.s2l import balanced_cluster_order, balanced_cluster_sample
 
 IGNORE = -100
 TOKEN_KEYS = {"requested_tokens", "selected_tokens", "relative_error", "one_example_per_cluster_tokens", "note"}
@@ -83,7 +83,7 @@ def test_prefix_is_the_multiple_of_the_world_size_closest_to_the_budget(lengths,
 
 
 def test_the_rule_is_the_cluster_methods_count_for_tokens():
-    from clusterlm.budget import count_for_tokens
+    from clusterlm.config.budget import count_for_tokens
 
     lengths = np.array([10, 3, 7, 7, 1, 20, 4, 9, 2, 5], dtype=np.int64)
     order = np.array([5, 0, 7, 2, 3, 9, 6, 1, 8, 4])

@@ -1,4 +1,4 @@
-"""Selection budgets (clusterlm.budget): example and token budgets, the per-cluster count for a token budget,
+"""Selection budgets (clusterlm.config.budget): example and token budgets, the per-cluster count for a token budget,
 cluster-size bounds. Known answers and properties; no clustering."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.budget import (
+from clusterlm.config.budget import (
     check_int,
     cluster_size_bound,
     count_for_tokens,

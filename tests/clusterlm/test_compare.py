@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 from tiny_cases import run_compare as _compare
 
-import clusterlm.cli as cli
-from clusterlm import compare_config, compare_output, compare_run, compare_stats
-from clusterlm.compare_config import CompareConfig
-from clusterlm.options import parse_config
+import clusterlm.cli.commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.comparison import output as compare_output
+from clusterlm.comparison import run as compare_run
+from clusterlm.comparison import statistics as compare_stats
+from clusterlm.config import comparison as compare_config
+from clusterlm.config.comparison import CompareConfig
 
 
 def _argv(tmp_path, data, heldout) -> list[str]:
@@ -150,7 +153,7 @@ def test_frontier_over_ratios_with_longest_and_a_variant_reuses_features(small_d
 
 def test_compare_argument_errors(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
-    monkeypatch.setattr("clusterlm.compare_run._select", lambda *a, **k: pytest.fail("selected"))
+    monkeypatch.setattr("clusterlm.comparison.run._select", lambda *a, **k: pytest.fail("selected"))
     assert _main(tmp_path, train, heldout, "--ratio", "1.5") == 2
     assert _main(tmp_path, train, heldout, "--n-validation", "10", "--methods", "random,less") == 2
     assert _main(tmp_path, train, heldout, "--n-validation", "10") == 2  # explicit: always held back
@@ -173,7 +176,7 @@ def test_compare_argument_errors(small_demo, tmp_path, capsys, monkeypatch):
 
 def test_max_steps_with_full_is_refused_before_any_work(small_demo, tmp_path, capsys, monkeypatch):
     train, heldout = small_demo
-    monkeypatch.setattr("clusterlm.compare_run.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("clusterlm.comparison.run.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert _main(tmp_path, train, heldout, "--methods", "full,cluster") == 2
     err = capsys.readouterr().err
     assert "--max-steps 2 with method 'full'" in err and len(err.strip().splitlines()) == 1
@@ -269,7 +272,7 @@ def test_pretrain_builder_trains_and_saves_a_loadable_base_model(demo, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from clusterlm.models import BUILTIN_MODELS
-    from clusterlm.pretrain import build_tiny_llama_pretrained, token_blocks
+    from clusterlm.models.pretrain import build_tiny_llama_pretrained, token_blocks
 
     blocks = token_blocks(list(range(10, 30)), 5, bos_id=1)
     assert blocks.shape == (5, 5) and (blocks[:, 0] == 1).all() and blocks[1, 1:].tolist() == [14, 15, 16, 17]

@@ -8,12 +8,14 @@ import json
 import pytest
 from tiny_cases import run_compare as _compare
 
-import clusterlm.cli as cli
-from clusterlm import compare_output, compare_run, compare_stats
-from clusterlm.compare_config import CompareConfig
-from clusterlm.compare_eval import EvalSet, check_overlap, eval_sets_of, parse_eval_set, read_eval_sets
+import clusterlm.cli.commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.comparison import output as compare_output
+from clusterlm.comparison import run as compare_run
+from clusterlm.comparison import statistics as compare_stats
+from clusterlm.comparison.evaluation import EvalSet, check_overlap, eval_sets_of, parse_eval_set, read_eval_sets
+from clusterlm.config.comparison import CompareConfig
 from clusterlm.data import read_data
-from clusterlm.options import parse_config
 
 
 def _jsonl(path, records) -> str:

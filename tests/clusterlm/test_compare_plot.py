@@ -1,7 +1,7 @@
 """compare.png: the drawn content, read back from matplotlib's objects (not just that a file exists).
 
-The fixture ``fixtures/compare_fixture.json`` is a compare.json made by :func:`clusterlm.compare_stats.summarize` and
-:func:`clusterlm.compare_stats.frontier` from synthetic records (5 methods with full data, ratios 0.2 and 0.31, 3 seeds,
+The fixture ``fixtures/compare_fixture.json`` is a compare.json made by :func:`clusterlm.comparison.statistics.summarize` and
+:func:`clusterlm.comparison.statistics.frontier` from synthetic records (5 methods with full data, ratios 0.2 and 0.31, 3 seeds,
 40 evaluation examples).
 """
 
@@ -16,7 +16,7 @@ import pytest
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from clusterlm.compare_plot import BETTER, ONE_SEED, WORSE, compare_figure, plot_compare
+from clusterlm.comparison.plot import BETTER, ONE_SEED, WORSE, compare_figure, plot_compare
 
 FIXTURE = Path(__file__).parent / "fixtures" / "compare_fixture.json"
 

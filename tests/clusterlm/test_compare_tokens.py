@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import clusterlm
-from clusterlm.compare_config import CompareConfig, budget_of, compare_train_defaults, parse_method, parse_methods
-from clusterlm.compare_output import budget_line, equal_tokens_lines
-from clusterlm.compare_stats import TOKEN_MATCH, per_token, token_note, verdicts
+from clusterlm.comparison.output import budget_line, equal_tokens_lines
+from clusterlm.comparison.statistics import TOKEN_MATCH, per_token, token_note, verdicts
+from clusterlm.config.comparison import CompareConfig, budget_of, compare_train_defaults, parse_method, parse_methods
 
 
 def test_every_method_but_full_takes_a_token_budget():

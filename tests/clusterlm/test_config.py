@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.config import PRESETS, SelectConfig, resolve_feature_tokens, resolve_seed
-from clusterlm.features import DEFAULT_FEATURE_TOKENS
-from clusterlm.select import select_from_features
+from clusterlm.config.selection import PRESETS, SelectConfig, resolve_feature_tokens, resolve_seed
+from clusterlm.selection.features import DEFAULT_FEATURE_TOKENS
+from clusterlm.selection.select import select_from_features
 
 
 def test_the_config_is_frozen_and_overrides_name_unknown_settings():

@@ -1,4 +1,4 @@
-"""clusterlm.demo (the built-in stdlib code-instruction set) and clusterlm.models (load_model)."""
+"""clusterlm.data.demo (the built-in stdlib code-instruction set) and clusterlm.models (load_model)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusterlm import demo as demo_mod
 from clusterlm.data import collate, load_data
+from clusterlm.data import demo as demo_mod
 from clusterlm.models import BUILTIN_MODELS, load_model
 
 _CHILD = """
 import json, sys
-from clusterlm.demo import demo_data
+from clusterlm.data.demo import demo_data
 from clusterlm.models import load_model
 d = demo_data(sys.argv[1])
 _, _, model_id = load_model("tiny-llama", root=sys.argv[1])

@@ -15,10 +15,10 @@ from torch import nn
 
 from cluster_kernels import capacity_kmeans
 from cluster_kernels.distributed import allgather_rows, distributed_capacity_kmeans
-from clusterlm._io import FileLock
-from clusterlm.distributed import DistInfo, barrier, featurize_sharded, init_distributed, is_main
-from clusterlm.features import GradientFeaturizer
-from clusterlm.store import FeatureStore
+from clusterlm.fileio import FileLock
+from clusterlm.selection.distributed import DistInfo, barrier, featurize_sharded, init_distributed, is_main
+from clusterlm.selection.features import GradientFeaturizer
+from clusterlm.selection.store import FeatureStore
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
@@ -154,7 +154,7 @@ def test_concurrent_writers_lose_no_shard_and_no_clean_up_hits_a_live_writer(tmp
 def test_clean_up_spares_a_temporary_file_its_writer_still_holds(tmp_path):
     FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})
     tmp = tmp_path / ".shard_00003.npy.abc123.tmp"
-    writer = FileLock(tmp)  # what clusterlm._io.atomic_write holds on its temporary file until the rename
+    writer = FileLock(tmp)  # what clusterlm.fileio.atomic_write holds on its temporary file until the rename
     writer.acquire()
     try:
         FeatureStore(tmp_path, shard_size=2).begin(dim=2, config={})

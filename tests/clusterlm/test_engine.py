@@ -1,4 +1,4 @@
-"""The training engine (clusterlm.engine) on one process: micro-batches, answer losses, the weighted step, the
+"""The training engine (clusterlm.engine.step) on one process: micro-batches, answer losses, the weighted step, the
 optimizer and schedule, evaluation, generators and checkpoints. A toy causal LM keeps every test under a second;
 the DDP gradient over ranks is tested in test_train.py."""
 
@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.engine import (
+from clusterlm.engine.loss import per_example_loss
+from clusterlm.engine.step import (
     CKPT_DIR,
     LATEST,
     answer_losses,
@@ -35,8 +36,7 @@ from clusterlm.engine import (
     train_step,
     trainable_state,
 )
-from clusterlm.launch import DistInfo
-from clusterlm.loss import per_example_loss
+from clusterlm.launch.launcher import DistInfo
 
 Out = namedtuple("Out", "logits")
 VOCAB = 23

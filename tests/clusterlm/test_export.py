@@ -1,4 +1,4 @@
-"""clusterlm.export: a plan as one data set in interleaved global order with a weight column.
+"""clusterlm.integrations.export: a plan as one data set in interleaved global order with a weight column.
 
 Accelerate's batch sharding and DistributedSampler(shuffle=False) hand every rank exactly its plan-sampler
 order; the CLI writes save_to_disk + JSONL + a manifest; a plain transformers.Trainer and an accelerate loop
@@ -19,11 +19,11 @@ import tiny_sft  # noqa: E402
 from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from clusterlm.cli import main  # noqa: E402
+from clusterlm.cli.commands import main  # noqa: E402
 from clusterlm.data import SFTDataset, load_data  # noqa: E402
-from clusterlm.export import EXPORT_COLUMNS, ExportConfig, export_files, export_order, plan_to_dataset  # noqa: E402
+from clusterlm.integrations.export import EXPORT_COLUMNS, ExportConfig, export_files, export_order, plan_to_dataset  # noqa: E402
 from clusterlm.plan import Plan  # noqa: E402
-from clusterlm.sampler import PlanSampler  # noqa: E402
+from clusterlm.plan.sampler import PlanSampler  # noqa: E402
 
 
 def _data() -> tuple[SFTDataset, Plan]:

@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cluster_kernels.lm_head_features import lm_head_features
 from cluster_kernels.project_linear_grads import project_linear_grads
-from clusterlm.features import GradientFeaturizer
-from clusterlm.pretrain import tiny_llama_config
+from clusterlm.models.pretrain import tiny_llama_config
+from clusterlm.selection.features import GradientFeaturizer
 
 lmh = importlib.import_module("cluster_kernels.lm_head_features")
 plg = importlib.import_module("cluster_kernels.project_linear_grads")
@@ -165,7 +165,7 @@ def test_in_process_kmeans_runs_on_the_models_cuda_device(monkeypatch):
     without the CUDA K-means stay on the host."""
     import numpy as np
 
-    sel = importlib.import_module("clusterlm.select")  # the module (clusterlm.select is the function)
+    sel = importlib.import_module("clusterlm.selection.select")  # the module (clusterlm.select is the function)
     from cluster_kernels import capacity_kmeans as real_kmeans
 
     x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)

@@ -17,10 +17,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-import clusterlm.features as features_mod
-import clusterlm.features.gradients as gradients_mod
+import clusterlm.selection.features as features_mod
+import clusterlm.selection.features.gradients as gradients_mod
 from cluster_kernels.projection import random_projection
-from clusterlm.features import GradientFeaturizer
+from clusterlm.selection.features import GradientFeaturizer
 
 VOCAB = 61
 

@@ -22,18 +22,27 @@ import test_train
 import torch
 from test_train import MAX_LENGTH, _config, _records, _tiny_model, _ToyLM, _train, _weight_plan
 
-from clusterlm import cli, compare_run, train_launch
-from clusterlm.engine import CKPT_DIR, build_optimizer, evaluate, find_checkpoint, forward_backward, make_micro_batches
-from clusterlm.fsdp import (
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.comparison import run as compare_run
+from clusterlm.config.training import LATEST, TRAIN_CONFIG, TrainConfig
+from clusterlm.engine.fsdp import (
     STATE_FILE,
     ShardedAdafactor,
     decoder_blocks,
     remove_partial_checkpoints,
 )
-from clusterlm.launch import SpawnFailed
-from clusterlm.metrics import SUMMARY
-from clusterlm.options import parse_config
-from clusterlm.train_config import LATEST, TRAIN_CONFIG, TrainConfig
+from clusterlm.engine.step import (
+    CKPT_DIR,
+    build_optimizer,
+    evaluate,
+    find_checkpoint,
+    forward_backward,
+    make_micro_batches,
+)
+from clusterlm.launch.launcher import SpawnFailed
+from clusterlm.training import run as train_launch
+from clusterlm.training.metrics import SUMMARY
 
 STEPS = 5
 env = test_train.env  # the 2-rank demo subset and plans of the DDP trainer's tests (a session fixture)
@@ -123,7 +132,7 @@ def test_final_model_is_a_loadable_hugging_face_directory(env, runs):
     from transformers import AutoModelForCausalLM
 
     from clusterlm.data import load_data
-    from clusterlm.launch import DistInfo
+    from clusterlm.launch.launcher import DistInfo
     from clusterlm.models import load_model
 
     model, tokenizer, _ = load_model(str(runs.fsdp / "model"))
@@ -176,8 +185,8 @@ def _toy() -> torch.nn.Module:
 def _fsdp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from clusterlm.fsdp import shard_model
-    from clusterlm.launch import DistInfo
+    from clusterlm.engine.fsdp import shard_model
+    from clusterlm.launch.launcher import DistInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -206,8 +215,8 @@ def _fsdp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_fsdp_gradient_is_cluster_size_weighted_mean_and_adafactor_matches(tmp_path):
     import torch.multiprocessing as mp
 
-    from clusterlm.launch import DistInfo
-    from clusterlm.loss import per_example_loss
+    from clusterlm.engine.loss import per_example_loss
+    from clusterlm.launch.launcher import DistInfo
 
     mp.spawn(_fsdp_grad_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt", weights_only=False) for r in range(2))

@@ -28,7 +28,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from clusterlm.integrations.trl import sft_examples  # noqa: E402
 from clusterlm.models import compute_model_id  # noqa: E402
 from clusterlm.plan import Plan  # noqa: E402
-from clusterlm.select import select  # noqa: E402
+from clusterlm.selection.select import select  # noqa: E402
 
 SELECT = {"budget": 8, "dim": (4, 4), "progress": False, "seed": 0}
 

@@ -15,12 +15,12 @@ transformers = pytest.importorskip("transformers")
 from accelerate.data_loader import prepare_data_loader, skip_first_batches  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
-from clusterlm.allocation import selection_weights  # noqa: E402
 from clusterlm.data import collate, fingerprint  # noqa: E402
+from clusterlm.engine.loss import per_example_loss, weighted_loss  # noqa: E402
 from clusterlm.integrations.hf import WEIGHT_KEY, ClusterTrainer, PlanCollator, PlanWeightedDataset  # noqa: E402
-from clusterlm.loss import per_example_loss, weighted_loss  # noqa: E402
 from clusterlm.plan import Plan  # noqa: E402
-from clusterlm.sampler import PlanSampler  # noqa: E402
+from clusterlm.plan.sampler import PlanSampler  # noqa: E402
+from clusterlm.selection.allocation import selection_weights  # noqa: E402
 
 N, VOCAB = 16, 128
 
@@ -223,7 +223,7 @@ def test_plan_dir_is_loaded_and_a_custom_collator_keeps_weights(tmp_path):
 
 
 def test_select_at_train_begin(tmp_path):
-    pytest.importorskip("clusterlm.select")
+    pytest.importorskip("clusterlm.selection.select")
     examples = _examples()
     trainer = ClusterTrainer(model=_model(), args=_args(tmp_path, max_steps=2), train_dataset=examples,
                              select_kwargs={"budget": 8, "dim": (4, 4), "progress": False})

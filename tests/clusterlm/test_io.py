@@ -1,4 +1,4 @@
-"""clusterlm._io: the one lock (FileLock, DirLock), locked temporary files of atomic writes, versioned JSON."""
+"""clusterlm.fileio: the one lock (FileLock, DirLock), locked temporary files of atomic writes, versioned JSON."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterlm import _io
-from clusterlm._io import (
+from clusterlm import fileio as _io
+from clusterlm.fileio import (
     DirLock,
     FileLock,
     LockedError,
@@ -88,7 +88,7 @@ def test_the_lock_of_a_killed_process_is_free(tmp_path):
         import sys, time, types
         pkg = types.ModuleType("clusterlm"); pkg.__path__ = [{str(Path(_io.__file__).parent)!r}]
         sys.modules["clusterlm"] = pkg
-        from clusterlm._io import DirLock
+        from clusterlm.fileio import DirLock
         DirLock(sys.argv[1]).acquire()
         print("locked", flush=True)
         time.sleep(60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clusterlm.loss import per_example_loss, weighted_loss
+from clusterlm.engine.loss import per_example_loss, weighted_loss
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What a training run records (clusterlm.metrics): metrics.jsonl, the step record, the loss windows, the summary
+"""What a training run records (clusterlm.training.metrics): metrics.jsonl, the step record, the loss windows, the summary
 and its printed lines, the training curve. One process, no model."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm import metrics as M
-from clusterlm.engine import CKPT_DIR
-from clusterlm.launch import DistInfo
+from clusterlm.engine.step import CKPT_DIR
+from clusterlm.launch.launcher import DistInfo
+from clusterlm.training import metrics as M
 
 CPU = DistInfo(0, 1, 0, None, torch.device("cpu"))
 

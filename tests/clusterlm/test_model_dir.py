@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from clusterlm.model_dir import save_model_dir
 from clusterlm.models.builtin import build_once
+from clusterlm.models.directory import save_model_dir
 from clusterlm.models.ids import INFO_FILE
 
 

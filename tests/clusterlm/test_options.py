@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from clusterlm import cli
-from clusterlm.compare_config import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
-from clusterlm.config import SelectConfig
-from clusterlm.configio import checksum, field_help
-from clusterlm.launch import CONFIG_SHA_ENV, check_config_file
-from clusterlm.options import option_fields
-from clusterlm.pipeline import SelectJob
-from clusterlm.train_config import TrainConfig
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import option_fields
+from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
+from clusterlm.config.files import checksum, field_help
+from clusterlm.config.selection import SelectConfig
+from clusterlm.config.training import TrainConfig
+from clusterlm.launch.launcher import CONFIG_SHA_ENV, check_config_file
+from clusterlm.selection.pipeline import SelectJob
 
 PARSERS = {"select": (cli.select_parser, [SelectJob, SelectConfig], ()),
            "train": (cli.train_parser, [TrainConfig], ()),

@@ -3,7 +3,7 @@
 ``_authors_selection`` below is an independent transcription of the authors' selection steps (kaist-dmlab/CluSTER,
 ``src/CluSTER/call_back.py``: ``PruneAndClusteringinwithMeanCallback.on_train_begin`` ->
 ``_kmeans_prune_equalize_interleave`` -> ``kmeans_soft_cap_fit_predict``, with ``--prune close``), written from
-their code with plain Python lists and loops as theirs are, not from :mod:`clusterlm.paper`. It runs beside
+their code with plain Python lists and loops as theirs are, not from :mod:`clusterlm.selection.paper`. It runs beside
 ``select_from_features(preset="paper")`` on the same fixed features; selections must be identical, rank by rank,
 and the weights equal.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from clusterlm.select import select_from_features
+from clusterlm.selection.select import select_from_features
 
 sklearn_cluster = pytest.importorskip("sklearn.cluster")
 
@@ -257,7 +257,7 @@ def test_missing_sklearn_names_the_install(monkeypatch):
 
 def test_the_fallback_pass_matches_too(monkeypatch):
     # K = 24 > 8 with one blob holding 90 %: some points find all 8 nearest centres full and take the fallback.
-    import clusterlm.paper as paper
+    import clusterlm.selection.paper as paper
 
     blocks = []
     real = paper._sqdist_block

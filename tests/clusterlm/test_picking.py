@@ -1,4 +1,4 @@
-"""Within-cluster picks (clusterlm.picking): farthest / nearest / random / k-center, ties by index, pick order,
+"""Within-cluster picks (clusterlm.selection.picking): farthest / nearest / random / k-center, ties by index, pick order,
 and the row normalisation the selection applies to features."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clusterlm.picking import WITHIN_CLUSTER, kcenter, l2_normalize, pick_in_cluster
+from clusterlm.selection.picking import WITHIN_CLUSTER, kcenter, l2_normalize, pick_in_cluster
 
 
 @pytest.mark.parametrize("method", ["farthest", "nearest", "random", "kcenter"])

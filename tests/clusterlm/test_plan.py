@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from tiny_cases import random_examples
 
-from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
-from clusterlm.planfile import PLAN_VERSION
+from clusterlm.plan.fileformat import PLAN_VERSION
+from clusterlm.selection.allocation import selection_weights
 
 
 def _fingerprint_scheme(examples) -> dict:

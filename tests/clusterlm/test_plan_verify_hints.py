@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from clusterlm.data import load_data
-from clusterlm.select import select_from_features
+from clusterlm.selection.select import select_from_features
 
 
 @pytest.fixture()

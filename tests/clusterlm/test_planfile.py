@@ -1,4 +1,4 @@
-"""clusterlm.planfile: the plan's files (version 2 checksummed, version 1 still read) and their checks."""
+"""clusterlm.plan.fileformat: the plan's files (version 2 checksummed, version 1 still read) and their checks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
-from clusterlm.planfile import (
+from clusterlm.plan.fileformat import (
     ARRAY_NAMES,
     PLAN_FORMAT,
     PLAN_VERSION,
@@ -23,6 +22,7 @@ from clusterlm.planfile import (
     read_plan_meta,
     write_plan_files,
 )
+from clusterlm.selection.allocation import selection_weights
 
 N = 12
 

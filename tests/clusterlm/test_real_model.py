@@ -6,7 +6,7 @@ fixtures), so the once-converted directory that ``make real-model`` left there i
 again (minutes, 0.5 GB) for every test run.
 
 Checked here: the tied embeddings and SmolLM2's shape; chat-template rendering and prompt masking of
-``clusterlm.data.load_data``; and every feature mode of :class:`clusterlm.features.GradientFeaturizer`
+``clusterlm.data.load_data``; and every feature mode of :class:`clusterlm.selection.features.GradientFeaturizer`
 (float32, the examples batched together) against a float64 batch-size-1 autograd reference on a float64 copy
 of the model.
 
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from cluster_kernels.projection import random_projection
 from clusterlm.data import load_data
-from clusterlm.features import GradientFeaturizer
 from clusterlm.models import GGUF_MODELS, find_gguf, load_model
+from clusterlm.selection.features import GradientFeaturizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The selection report (clusterlm.report): the PCA map's coordinates, report_data.npz, report.png."""
+"""The selection report (clusterlm.plan.report): the PCA map's coordinates, report_data.npz, report.png."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
-from clusterlm.report import MAX_MAP_POINTS, REPORT_DATA, REPORT_PNG, draw_report, pca_2d, save_report_data
+from clusterlm.plan.report import MAX_MAP_POINTS, REPORT_DATA, REPORT_PNG, draw_report, pca_2d, save_report_data
+from clusterlm.selection.allocation import selection_weights
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
-from clusterlm.sampler import PlanSampler
+from clusterlm.plan.sampler import PlanSampler
+from clusterlm.selection.allocation import selection_weights
 
 
 def _plan(n: int = 120, world_size: int = 3, per_rank: int = 25, seed: int = 0) -> Plan:

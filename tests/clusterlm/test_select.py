@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_kernels import capacity_kmeans
-from clusterlm.select import select, select_from_features
+from clusterlm.selection.select import select, select_from_features
 
 
 def _mixture(n: int, d: int = 8, k: int = 4, seed: int = 0) -> np.ndarray:
@@ -222,8 +222,8 @@ def test_default_preset_token_balance_evens_rank_totals():
 
 
 def test_feature_tokens_resolve_per_preset():
-    from clusterlm.config import resolve_feature_tokens
-    from clusterlm.features import DEFAULT_FEATURE_TOKENS
+    from clusterlm.config.selection import resolve_feature_tokens
+    from clusterlm.selection.features import DEFAULT_FEATURE_TOKENS
 
     assert resolve_feature_tokens("default", None) == DEFAULT_FEATURE_TOKENS
     assert resolve_feature_tokens("paper", None) is None

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from clusterlm.cli import main
+from clusterlm.cli.commands import main
 from clusterlm.plan import Plan
 
 

@@ -1,11 +1,11 @@
-"""Known answers of the two-level bootstrap (:mod:`clusterlm.stats`) on synthetic per-example losses."""
+"""Known answers of the two-level bootstrap (:mod:`clusterlm.comparison.bootstrap`) on synthetic per-example losses."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from clusterlm.stats import bootstrap_delta, interval_text, run_loss, seeds_to_resolve
+from clusterlm.comparison.bootstrap import bootstrap_delta, interval_text, run_loss, seeds_to_resolve
 
 
 def _runs(n_seeds: int, n_ex: int, seed: int, spread: float = 0.05):

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import clusterlm.store as store_mod
-import clusterlm.store.feature_store as feature_store_mod
-from clusterlm.features import GradientFeaturizer
-from clusterlm.store import FeatureStore
+import clusterlm.selection.store as store_mod
+import clusterlm.selection.store.feature_store as feature_store_mod
+from clusterlm.selection.features import GradientFeaturizer
+from clusterlm.selection.store import FeatureStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_a_new_store_is_version_2_and_its_manifest_is_public_as_a_copy(tmp_path)
     store = _filled(tmp_path)
     manifest = store.manifest()
     assert (manifest["format"], manifest["version"]) == (store_mod.STORE_FORMAT, store_mod.STORE_VERSION) == (
-        "clusterlm.features", 2)
+        "clusterlm.selection.features", 2)
     assert sorted(manifest["shards"]) == ["0", "1", "2"] and all("sha256" in r for r in manifest["shards"].values())
     manifest["shards"].clear()
     assert len(store.manifest()["shards"]) == 3 and store.rows_done() == 6 and store.stored_shard_size() == 2
@@ -101,7 +101,7 @@ def test_a_version_2_record_without_its_checksum_is_dropped_and_recomputed(tmp_p
 
 
 @pytest.mark.parametrize(("fmt", "version", "match"), [
-    ("clusterlm.features", 3, r"manifest\.json has format version 3; this clusterlm reads version 1 or 2"),
+    ("clusterlm.selection.features", 3, r"manifest\.json has format version 3; this clusterlm reads version 1 or 2"),
     ("clusterlm.features/7", None, r"format version 7"),
     ("clusterlm.plan", 2, r"not a clusterlm feature store \(its format is 'clusterlm.plan'"),
 ])
@@ -237,8 +237,8 @@ CHILD = textwrap.dedent(
     import numpy as np, torch
     torch.set_num_threads(1)
     from transformers import LlamaConfig, LlamaForCausalLM
-    from clusterlm.features import GradientFeaturizer
-    from clusterlm.store import FeatureStore
+    from clusterlm.selection.features import GradientFeaturizer
+    from clusterlm.selection.store import FeatureStore
 
     resume_dir, fresh_dir, slow = sys.argv[1], sys.argv[2], sys.argv[3] == "slow"
     torch.manual_seed(0)

@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from clusterlm import cli, train_launch
-from clusterlm._io import lock_holder
-from clusterlm.configio import checksum
-from clusterlm.engine import CKPT_DIR, forward_backward, make_micro_batches
-from clusterlm.launch import FORWARDED_SIGNALS, PACKAGE_ENTRY, pid_alive, torchrun_command
-from clusterlm.metrics import CURVE, METRICS, SUMMARY
-from clusterlm.options import parse_config
-from clusterlm.train_config import LATEST, TRAIN_CONFIG, TrainConfig
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.config.files import checksum
+from clusterlm.config.training import LATEST, TRAIN_CONFIG, TrainConfig
+from clusterlm.engine.step import CKPT_DIR, forward_backward, make_micro_batches
+from clusterlm.fileio import lock_holder
+from clusterlm.launch.launcher import FORWARDED_SIGNALS, PACKAGE_ENTRY, pid_alive, torchrun_command
+from clusterlm.training import run as train_launch
+from clusterlm.training.metrics import CURVE, METRICS, SUMMARY
 
 MAX_LENGTH = 128
 N_TRAIN, N_HELDOUT = 160, 32
@@ -49,7 +50,7 @@ def env(demo, tmp_path_factory):
     """
     from clusterlm.data import load_data
     from clusterlm.models import load_model
-    from clusterlm.select import select_from_features
+    from clusterlm.selection.select import select_from_features
 
     root = tmp_path_factory.mktemp("train")
     _, tokenizer, _ = load_model("tiny-llama")
@@ -77,7 +78,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> TrainConfig:
-    """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by :func:`clusterlm.cli.train_parser`)."""
+    """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by :func:`clusterlm.cli.commands.train_parser`)."""
     return TrainConfig(**parse_config(cli.train_parser(), argv))
 
 
@@ -122,7 +123,7 @@ def reference_run(env):
 
 def test_two_rank_gloo_run_finishes_learns_and_writes_metrics(env, reference_run):
     from clusterlm.plan import Plan
-    from clusterlm.sampler import PlanSampler
+    from clusterlm.plan.sampler import PlanSampler
 
     out = reference_run.out
     train = _records(out, "train")
@@ -263,7 +264,7 @@ def _weight_examples(n: int = 40) -> list[dict[str, np.ndarray]]:
 
 def _weight_plan():
     from clusterlm.data import fingerprint
-    from clusterlm.select import select_from_features
+    from clusterlm.selection.select import select_from_features
 
     examples = _weight_examples()
     feats = np.random.default_rng(2).standard_normal((len(examples), 4)).astype(np.float32)
@@ -293,7 +294,7 @@ def _ddp_grad_worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_ddp_gradient_is_cluster_size_weighted_mean(tmp_path):
     import torch.multiprocessing as mp
 
-    from clusterlm.loss import per_example_loss
+    from clusterlm.engine.loss import per_example_loss
 
     mp.spawn(_ddp_grad_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     g0, g1 = torch.load(tmp_path / "grad0.pt"), torch.load(tmp_path / "grad1.pt")

@@ -13,11 +13,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clusterlm import cli, train_loop, train_model
-from clusterlm.features import GradientFeaturizer
-from clusterlm.launch import DistInfo
-from clusterlm.options import parse_config
-from clusterlm.train_config import TrainConfig
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import parse_config
+from clusterlm.config.training import TrainConfig
+from clusterlm.launch.launcher import DistInfo
+from clusterlm.selection.features import GradientFeaturizer
+from clusterlm.training import loop as train_loop
+from clusterlm.training import model as train_model
 
 AVX2_ONLY = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -169,7 +171,7 @@ def test_zero_lora_b_really_zeroes_the_lora_a_part():
 
 
 def test_paper_plan_summary_states_the_shortfall():
-    from clusterlm.select import select_from_features
+    from clusterlm.selection.select import select_from_features
 
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal(c, 1.0, (n, 8)) for c, n in ((0, 220), (6, 120), (-6, 60))]).astype(np.float32)

@@ -18,12 +18,12 @@ from trl import SFTConfig  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from clusterlm.data import collate, load_data  # noqa: E402
+from clusterlm.engine.loss import per_example_loss, weighted_loss  # noqa: E402
 from clusterlm.integrations.hf import WEIGHT_KEY  # noqa: E402
 from clusterlm.integrations.trl import ClusterSFTTrainer, sft_examples  # noqa: E402
-from clusterlm.loss import per_example_loss, weighted_loss  # noqa: E402
 from clusterlm.models import compute_model_id  # noqa: E402
 from clusterlm.plan import Plan  # noqa: E402
-from clusterlm.sampler import PlanSampler  # noqa: E402
+from clusterlm.plan.sampler import PlanSampler  # noqa: E402
 
 
 def _config(out, kind: str, **kw) -> SFTConfig:
@@ -118,7 +118,7 @@ def test_resume_continues_the_plan_order_and_dft_padding_free(tmp_path):
     assert resumed.seen == first.seen[6:10]
     losses = [h["loss"] for h in first.state.log_history if "loss" in h]
     assert len(losses) == 5 and np.isfinite(losses).all()
-    # the first logged loss is mean_b(w_b * loss_b) of the first batch, loss_b from the full logits (clusterlm.loss)
+    # the first logged loss is mean_b(w_b * loss_b) of the first batch, loss_b from the full logits (clusterlm.engine.loss)
     batch = collate([examples[i] for i in order[:2]])
     with torch.no_grad():
         logits = tiny_sft.model(len(tok))(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

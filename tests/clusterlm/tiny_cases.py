@@ -8,9 +8,9 @@ import dataclasses
 
 import numpy as np
 
-import clusterlm.cli as cli
-from clusterlm import compare_config
-from clusterlm.compare_config import CompareConfig
+import clusterlm.cli.commands as cli
+from clusterlm.config import comparison as compare_config
+from clusterlm.config.comparison import CompareConfig
 
 IGNORE = -100
 
@@ -36,7 +36,7 @@ def baseline_examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]
 
 
 def run_compare(config: CompareConfig) -> int:
-    """``clusterlm compare`` (:func:`clusterlm.cli.cmd_compare`) on the parsed values of ``config``: its exit status.
+    """``clusterlm compare`` (:func:`clusterlm.cli.commands.cmd_compare`) on the parsed values of ``config``: its exit status.
     Checks first that those values parse back to ``config``."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
     values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)

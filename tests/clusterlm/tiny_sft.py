@@ -88,9 +88,9 @@ def two_cluster_plan(examples: Any, world_size: int = 2, model_id: str = "", see
 
     The weights are ``K n_k / N`` (1.5 and 0.5 for two ranks), so a weighted average differs from a plain one.
     """
-    from clusterlm.allocation import selection_weights
     from clusterlm.data import fingerprint, lengths_of
     from clusterlm.plan import Plan
+    from clusterlm.selection.allocation import selection_weights
 
     n = len(examples)
     rng = np.random.default_rng(seed)
@@ -126,8 +126,8 @@ def equal_size_plan(plan: Any) -> Any:
 
 
 def clusterlm_loss(net: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One example's mean cross entropy over its trained tokens, from the full logits (clusterlm.loss)."""
-    from clusterlm.loss import per_example_loss
+    """One example's mean cross entropy over its trained tokens, from the full logits (clusterlm.engine.loss)."""
+    from clusterlm.engine.loss import per_example_loss
 
     return per_example_loss(net(input_ids=ids).logits, labels)[0]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clusterlm import cli
+from clusterlm.cli import commands as cli
 
 
 def run_cli(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from cli_helpers import nonblank_lines
 
-from clusterlm import cli
+from clusterlm.cli import commands as cli
 from clusterlm.models import load_model
 from clusterlm.plan import Plan
 

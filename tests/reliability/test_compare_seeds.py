@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import cli
-from clusterlm.options import parse_config
+from clusterlm.cli import commands as cli
+from clusterlm.cli.options import parse_config
 
 
 def _seeds(value: str) -> list[int]:

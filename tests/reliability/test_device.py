@@ -14,10 +14,10 @@ import pytest
 import torch
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import pipeline
-from clusterlm.config import SelectConfig
-from clusterlm.features import DEFAULT_BATCH_TOKENS, GradientFeaturizer
+from clusterlm.config.selection import SelectConfig
 from clusterlm.models import load_model, resolve_device, resolve_dtype
+from clusterlm.selection import pipeline
+from clusterlm.selection.features import DEFAULT_BATCH_TOKENS, GradientFeaturizer
 
 
 def test_auto_is_the_cpu_without_cuda(monkeypatch):

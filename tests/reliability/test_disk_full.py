@@ -28,10 +28,10 @@ import pytest
 import torch
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import _io
-from clusterlm.engine import CKPT_DIR
-from clusterlm.metrics import METRICS, SUMMARY
-from clusterlm.train_config import LATEST
+from clusterlm import fileio as _io
+from clusterlm.config.training import LATEST
+from clusterlm.engine.step import CKPT_DIR
+from clusterlm.training.metrics import METRICS, SUMMARY
 
 WHAT = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
         errno.EFBIG: "file size limit", errno.EIO: "I/O error"}

@@ -18,8 +18,8 @@ import pytest
 from cli_helpers import run_cli
 
 from clusterlm.data import load_data, read_data
-from clusterlm.demo import demo_data
-from clusterlm.export import export_files
+from clusterlm.data.demo import demo_data
+from clusterlm.integrations.export import export_files
 from clusterlm.plan import Plan
 
 EMPTY = (3, 7, 8)  # record positions with an empty (or blank) response

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from clusterlm import cli
-from clusterlm.failures import first_failure
-from clusterlm.pipeline import STORE_KEY
-from clusterlm.preemption import PREEMPTED, PREEMPTED_EXIT
-from clusterlm.procenv import process_stopped
-from clusterlm.rank_start import rank_pids
+from clusterlm.cli import commands as cli
+from clusterlm.launch.environment import process_stopped
+from clusterlm.launch.failures import first_failure
+from clusterlm.launch.preemption import PREEMPTED, PREEMPTED_EXIT
+from clusterlm.launch.ranks import rank_pids
+from clusterlm.selection.pipeline import STORE_KEY
 
 STEPS, SAVE_EVERY = 24, 4  # faults at steps 3 to 6: 18 steps after them, 6 checkpoints
 pytestmark = pytest.mark.slow

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import clusterlm.store.feature_store as feature_store_mod
-from clusterlm.allocation import selection_weights
+import clusterlm.selection.store.feature_store as feature_store_mod
 from clusterlm.plan import Plan
-from clusterlm.store import FeatureStore
+from clusterlm.selection.allocation import selection_weights
+from clusterlm.selection.store import FeatureStore
 
 # ---- plans -------------------------------------------------------------------------------------------------
 

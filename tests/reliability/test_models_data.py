@@ -25,7 +25,7 @@ import torch
 from cli_helpers import run_cli
 
 from clusterlm.data import load_data
-from clusterlm.demo import demo_data
+from clusterlm.data.demo import demo_data
 from clusterlm.models import load_model
 
 transformers = pytest.importorskip("transformers")

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm.allocation import selection_weights
 from clusterlm.plan import Plan
+from clusterlm.selection.allocation import selection_weights
 
 N = 16
 

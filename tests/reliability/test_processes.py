@@ -25,12 +25,15 @@ from types import SimpleNamespace
 import pytest
 from cli_helpers import nonblank_lines, run_cli
 
-from clusterlm import launch, pipeline, train_launch, train_model
-from clusterlm.failures import first_failure
-from clusterlm.launch import spawn
-from clusterlm.metrics import METRICS
-from clusterlm.procenv import AGENT_PID_ENV
-from clusterlm.rank_start import rank_pids
+from clusterlm.launch import launcher as launch
+from clusterlm.launch.environment import AGENT_PID_ENV
+from clusterlm.launch.failures import first_failure
+from clusterlm.launch.launcher import spawn
+from clusterlm.launch.ranks import rank_pids
+from clusterlm.selection import pipeline
+from clusterlm.training import model as train_model
+from clusterlm.training import run as train_launch
+from clusterlm.training.metrics import METRICS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -165,7 +168,8 @@ def test_killing_the_launcher_takes_every_rank_with_it(live_run, capfd):
 
 FAULTY_RANK = """
 import os, sys
-from clusterlm import cli, train_loop
+from clusterlm.cli import commands as cli
+from clusterlm.training import loop as train_loop
 if os.environ.get("RANK") == "1":
     def prepare(*args, **kwargs):
         raise {exc}("{message}")

@@ -1,4 +1,4 @@
-"""Ranks forked from the agent's preloaded fork server (clusterlm.rank_start): the preload never touches CUDA (a
+"""Ranks forked from the agent's preloaded fork server (clusterlm.launch.ranks): the preload never touches CUDA (a
 fork server that did would hand every rank a CUDA driver it cannot use), and a rank behaves as the command
 ``python -m MODULE ARGS`` would: its arguments, its exit status, its exit handlers, its name and its own session.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterlm.rank_start import PRELOAD, RANK_NAME, rank_pids
+from clusterlm.launch.ranks import PRELOAD, RANK_NAME, rank_pids
 
 CUDA_CALLS = ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device",
               "get_device_capability", "get_device_properties", "is_bf16_supported", "synchronize", "mem_get_info")
@@ -43,7 +43,7 @@ def test_the_fork_servers_preload_calls_no_cuda_function() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == []
-    assert "clusterlm.cli" in PRELOAD  # what every rank of train and select imports
+    assert "clusterlm.cli.commands" in PRELOAD  # what every rank of train and select imports
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -61,7 +61,7 @@ def test_a_rank_runs_its_module_as_the_command_would(tmp_path: Path, status: int
     argv = [str(status), "--config", "x.yaml"]
     code = textwrap.dedent(f"""
         import multiprocessing, os, sys
-        from clusterlm.rank_start import rank_main
+        from clusterlm.launch.ranks import rank_main
         os.environ["RANK"] = "7"
         rank = multiprocessing.get_context("forkserver").Process(target=rank_main, args=("rankmod", *{argv!r}))
         rank.start()

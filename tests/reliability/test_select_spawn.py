@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clusterlm import launch, pipeline
-from clusterlm.config import SelectConfig
-from clusterlm.configio import checksum
+from clusterlm.config.files import checksum
+from clusterlm.config.selection import SelectConfig
+from clusterlm.launch import launcher as launch
+from clusterlm.selection import pipeline
 
 
 def test_the_ranks_start_without_a_runpy_warning(tmp_path, monkeypatch):
@@ -45,8 +46,3 @@ def test_the_ranks_start_without_a_runpy_warning(tmp_path, monkeypatch):
     assert "RuntimeWarning" not in done.stderr and "found in sys.modules" not in done.stderr
     assert "--world-size" in done.stdout  # it is the select command's own help
 
-
-def test_the_old_module_entry_says_what_replaced_it():
-    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "clusterlm.select"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 1 and "-m clusterlm select" in done.stderr

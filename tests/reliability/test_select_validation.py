@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
-from clusterlm import cli, pipeline
-from clusterlm.features import GradientFeaturizer
+from clusterlm.cli import commands as cli
 from clusterlm.models import load_model
 from clusterlm.plan import Plan
-from clusterlm.store import FeatureStore
+from clusterlm.selection import pipeline
+from clusterlm.selection.features import GradientFeaturizer
+from clusterlm.selection.store import FeatureStore
 
 N = 16
 RECORDS = [{"prompt": f"def add_{i}(x):", "response": f"    return x + {i}\n"} for i in range(N)]

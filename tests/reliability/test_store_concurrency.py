@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clusterlm.store import FeatureStore
+from clusterlm.selection.store import FeatureStore
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "python_api"),
@@ -36,14 +36,14 @@ def fake(i: int, rows: int = SHARD) -> np.ndarray:
     return np.random.default_rng(i).standard_normal((rows, DIM)).astype(np.float32)
 
 
-# A writer that loads in no time: only clusterlm.store (and clusterlm._io) are imported, not the package.
+# A writer that loads in no time: only clusterlm.selection.store (and clusterlm.fileio) are imported, not the package.
 FAST_PRELUDE = textwrap.dedent(
     f"""
     import json, os, sys, time, types
     pkg = types.ModuleType("clusterlm"); pkg.__path__ = [{str(REPO / "python_api" / "clusterlm")!r}]
     sys.modules["clusterlm"] = pkg
     import numpy as np
-    from clusterlm.store import FeatureStore
+    from clusterlm.selection.store import FeatureStore
     DIM, SHARD = {DIM}, {SHARD}
     def fake(i, rows=SHARD):
         return np.random.default_rng(i).standard_normal((rows, DIM)).astype(np.float32)
@@ -127,8 +127,8 @@ FEATURIZE = MODEL_AND_DATA + textwrap.dedent(
     """
     import json, os, sys, time
     torch.set_num_threads(1)
-    from clusterlm.features import GradientFeaturizer
-    from clusterlm.store import FeatureStore
+    from clusterlm.selection.features import GradientFeaturizer
+    from clusterlm.selection.store import FeatureStore
 
     store_dir, go, log = sys.argv[1], sys.argv[2], sys.argv[3]
     computed = []
@@ -168,7 +168,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> None:
 def test_two_featurizing_runs_on_one_store_both_finish_and_compute_every_shard_once(tmp_path):
     import torch
 
-    from clusterlm.features import GradientFeaturizer
+    from clusterlm.selection.features import GradientFeaturizer
 
     script = tmp_path / "featurize.py"
     script.write_text(FEATURIZE)

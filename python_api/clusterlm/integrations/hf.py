@@ -16,7 +16,7 @@ with ``train.py`` doing::
 
 What it changes in ``Trainer``:
 
-- Data. Rank ``r`` reads ``plan.indices(r)`` through a :class:`clusterlm.sampler.PlanSampler`
+- Data. Rank ``r`` reads ``plan.indices(r)`` through a :class:`clusterlm.plan.sampler.PlanSampler`
   (``seed = args.data_seed`` or else ``args.seed``; positions reshuffled per epoch with one permutation
   shared by all ranks). Accelerate's per-process sharding of the batches is switched off for this loader:
   the sampler is already per rank (sharding it again would silently drop examples). Every item carries
@@ -52,7 +52,7 @@ on the full, unsharded model, and FSDP2 averages the gradients over the ranks as
 holds unchanged. A model that is already sharded when training starts (``from_pretrained(distributed_config=
 DistributedConfig(fsdp_size=K))``, ``fully_shard`` by hand, a second ``train()``) is gathered into an unsharded
 copy on the CPU of every rank, one parameter at a time, for the selection and the check
-(:func:`clusterlm.fsdp.unsharded_copy`). Either way rank 0 selects on its accelerator (the model, or the copy,
+(:func:`clusterlm.engine.fsdp.unsharded_copy`). Either way rank 0 selects on its accelerator (the model, or the copy,
 is moved there for the selection and back). Ranks that hold no weights (Accelerate's
 ``cpu_ram_efficient_loading`` loads them on rank 0 only) skip the model-id check.
 Accelerate does not shard on CPUs: a CPU run (``MULTI_CPU``, gloo) ignores its FSDP settings and trains as DDP.
@@ -76,12 +76,12 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from clusterlm.data import collate
-from clusterlm.fsdp import is_sharded, unsharded_copy
-from clusterlm.loss import per_example_loss, weighted_loss
+from clusterlm.engine.fsdp import is_sharded, unsharded_copy
+from clusterlm.engine.loss import per_example_loss, weighted_loss
 from clusterlm.models import check_model_id, compute_model_id
 from clusterlm.plan import Plan
-from clusterlm.sampler import PlanSampler
-from clusterlm.select import select
+from clusterlm.plan.sampler import PlanSampler
+from clusterlm.selection.select import select
 
 __all__ = ["WEIGHT_KEY", "ClusterTrainer", "PlanCollator", "PlanTrainerMixin", "PlanWeightedDataset",
            "check_plan_arguments", "unshard_dataloader"]
@@ -211,7 +211,7 @@ def check_plan_arguments(who: str, plan: Any, select_kwargs: Any) -> None:
         raise ValueError(f"{who}: pass either plan= (a finished plan) or select_kwargs= (select at train begin), not "
                          "both.")
     if select_kwargs is not None and not isinstance(select_kwargs, Mapping):
-        raise TypeError(f"{who}: select_kwargs must be a dict of clusterlm.select.select arguments, got "
+        raise TypeError(f"{who}: select_kwargs must be a dict of clusterlm.selection.select.select arguments, got "
                         f"{type(select_kwargs).__name__}.")
     if select_kwargs is not None and select_kwargs.get("return_features"):
         raise ValueError(f"{who}: select_kwargs may not set return_features; the trainer needs the plan only.")
@@ -420,7 +420,7 @@ class ClusterTrainer(PlanTrainerMixin, Trainer):
         plan: the :class:`~clusterlm.plan.Plan` to train on.
         plan_dir: where a plan is read from when neither ``plan`` nor ``select_kwargs`` is given, and where
             a plan selected at train begin is saved (default ``args.output_dir/plan``).
-        select_kwargs: keyword arguments of :func:`clusterlm.select.select` (``ratio`` or ``budget``,
+        select_kwargs: keyword arguments of :func:`clusterlm.selection.select.select` (``ratio`` or ``budget``,
             ``preset``, ...): the plan is selected at the start of :meth:`train` on rank 0 with the
             trainer's model and ``train_dataset``, saved to ``plan_dir``, and loaded by the other ranks.
             ``world_size`` is taken from ``args``; ``model_id`` defaults to

@@ -24,7 +24,7 @@ What it changes (with the mechanisms of :class:`clusterlm.integrations.hf.PlanTr
 ``ClusterTrainer``):
 
 - Data. ``train_dataset`` is tokenised by TRL as usual; rank ``r`` then reads ``plan.indices(r)`` of the
-  *tokenised* data set through a :class:`clusterlm.sampler.PlanSampler` (one permutation per epoch shared by
+  *tokenised* data set through a :class:`clusterlm.plan.sampler.PlanSampler` (one permutation per epoch shared by
   all ranks), and Accelerate's re-sharding of that loader is switched off. The plan weight travels with
   every item as ``"plan_weight"`` (kept through the Trainer's column removal) and TRL's collator pads the
   rest. ``train_dataset`` may also be an :class:`clusterlm.data.SFTDataset` or a list of dicts (converted
@@ -62,9 +62,9 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
 from clusterlm.data import SFTDataset, load_data
-from clusterlm.export import as_hf_dataset
+from clusterlm.engine.loss import weighted_loss
+from clusterlm.integrations.export import as_hf_dataset
 from clusterlm.integrations.hf import WEIGHT_KEY, PlanCollator, PlanTrainerMixin, check_plan_arguments
-from clusterlm.loss import weighted_loss
 from clusterlm.plan import Plan
 
 __all__ = ["ClusterSFTTrainer", "per_example_token_mean", "sft_examples", "to_trl_dataset", "tokenized_examples"]
@@ -180,7 +180,7 @@ class ClusterSFTTrainer(PlanTrainerMixin, SFTTrainer):
             (:func:`sft_examples`).
         plan_dir: where a plan is read from when neither ``plan`` nor ``select_kwargs`` is given, and where
             a plan selected at train begin is saved (default ``args.output_dir/plan``).
-        select_kwargs: keyword arguments of :func:`clusterlm.select.select`: rank 0 selects at the start of
+        select_kwargs: keyword arguments of :func:`clusterlm.selection.select.select`: rank 0 selects at the start of
             :meth:`train` on the TRL-tokenised examples, saves to ``plan_dir``; the others load it.
         allow_other_model: train even when the plan's ``model_id`` names another model.
 

@@ -1,7 +1,7 @@
 """Models by name: the built-in demo models and local Hugging Face model directories, never downloaded.
 
 ``load_model("tiny-llama")`` gives a small ``LlamaForCausalLM`` (hidden 128, 4 layers, 4 heads, MLP 344,
-untied output embeddings, RoPE, 2048 positions) over the demo tokenizer (:mod:`clusterlm.demo`). Its
+untied output embeddings, RoPE, 2048 positions) over the demo tokenizer (:mod:`clusterlm.data.demo`). Its
 weights are initialised once from a fixed seed and saved (safetensors) in the demo directory under
 ``tiny-llama/``; every later call, in any process, loads those files, so all processes of a run (and
 all runs on a machine) use identical weights. Built-ins live in :data:`BUILTIN_MODELS`, name ->
@@ -48,7 +48,7 @@ from clusterlm.models.gguf import GGUF_MODELS, GGUFModel, convert_gguf, find_ggu
 from clusterlm.models.hub import hf_hub_cache
 from clusterlm.models.ids import check_model_id, compute_model_id, model_hash, model_label
 from clusterlm.models.loading import load_model
-from clusterlm.pretrain import tiny_llama_config
+from clusterlm.models.pretrain import tiny_llama_config
 
 __all__ = [
     "BUILTIN_MODELS", "DEVICES", "DTYPES", "GGUF_MODELS", "BuiltinModel", "GGUFModel", "causal_lm_problem",

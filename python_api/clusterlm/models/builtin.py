@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from clusterlm.demo import DemoData, demo_data
-from clusterlm.model_dir import save_model_dir
+from clusterlm.data.demo import DemoData, demo_data
+from clusterlm.models.directory import save_model_dir
 from clusterlm.models.ids import INFO_FILE, compute_model_id
-from clusterlm.pretrain import build as build_pretrained_tiny_llama
-from clusterlm.pretrain import tiny_llama_config
+from clusterlm.models.pretrain import build as build_pretrained_tiny_llama
+from clusterlm.models.pretrain import tiny_llama_config
 
 __all__ = ["BUILTIN_MODELS", "BuiltinModel", "build_once", "ensure_builtin"]
 
@@ -64,7 +64,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         build=_build_tiny_llama,
     ),
     "tiny-llama-pretrained": BuiltinModel(
-        description="tiny-llama after a short causal-LM pre-training on the demo's pretrain.txt (clusterlm.pretrain)",
+        description="tiny-llama after a short causal-LM pre-training on the demo's pretrain.txt (clusterlm.models.pretrain)",
         build=build_pretrained_tiny_llama,
     ),
 }

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from clusterlm.demo import default_root
-from clusterlm.model_dir import save_model_dir
+from clusterlm.data.demo import default_root
 from clusterlm.models.builtin import build_once
+from clusterlm.models.directory import save_model_dir
 from clusterlm.models.ids import INFO_FILE
 
 __all__ = ["GGUF_MODELS", "GGUFModel", "convert_gguf", "find_gguf"]

@@ -37,7 +37,7 @@ def load_model(
         device: where the weights load, straight from the files in ``dtype`` (no float32 host copy):
             ``"cpu"``, ``"cuda"`` / ``"cuda:N"``, a ``torch.device``, or ``"auto"`` (CUDA when present: this
             process's ``LOCAL_RANK`` under torchrun; :func:`resolve_device`); None: the CPU.
-        root: demo directory for the tiny built-ins (default :func:`clusterlm.demo.default_root`); GGUF files
+        root: demo directory for the tiny built-ins (default :func:`clusterlm.data.demo.default_root`); GGUF files
             are converted into ``$CLUSTERLM_HOME/gguf`` (:func:`convert_gguf`).
 
     Returns:

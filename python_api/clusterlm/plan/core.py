@@ -1,7 +1,7 @@
 """The Plan: its fields, their per-rank views, the checks against data and model, and its files.
 
 The invariants are :class:`~clusterlm.plan.invariants.PlanInvariants`', the text summary
-:class:`~clusterlm.plan.summary.PlanSummary`'s, the file format :mod:`clusterlm.planfile`'s; the :mod:`clusterlm.plan`
+:class:`~clusterlm.plan.summary.PlanSummary`'s, the file format :mod:`clusterlm.plan.fileformat`'s; the :mod:`clusterlm.plan`
 docstring describes the weights.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from clusterlm.data import fingerprint
+from clusterlm.plan.fileformat import PLAN_VERSION, read_plan_files, write_plan_files
 from clusterlm.plan.invariants import PlanInvariants, jsonable
 from clusterlm.plan.summary import PlanSummary
-from clusterlm.planfile import PLAN_VERSION, read_plan_files, write_plan_files
 
 __all__ = ["Plan", "same_model"]
 
@@ -66,7 +66,7 @@ class Plan(PlanInvariants, PlanSummary):
         config: JSON-serialisable selection config.
         timings: stage -> seconds.
         stats: JSON-serialisable statistics.
-        version: format version of the files it was read from (:data:`clusterlm.planfile.PLAN_VERSION` for a
+        version: format version of the files it was read from (:data:`clusterlm.plan.fileformat.PLAN_VERSION` for a
             new plan, and what :meth:`save` always writes).
 
     Raises:
@@ -279,7 +279,7 @@ class Plan(PlanInvariants, PlanSummary):
         }
 
     def _summary_fields(self) -> dict[str, Any]:
-        """plan.json's summaries of the arrays (:data:`clusterlm.planfile.SUMMARY_FIELDS`), as JSON values."""
+        """plan.json's summaries of the arrays (:data:`clusterlm.plan.fileformat.SUMMARY_FIELDS`), as JSON values."""
         return {
             "n_examples": self.n_examples,
             "n_selected": self.n_selected,
@@ -293,7 +293,7 @@ class Plan(PlanInvariants, PlanSummary):
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``plan.json`` and ``plan.npz`` into ``directory`` (created if needed), atomically and with
-        checksums (:func:`clusterlm.planfile.write_plan_files`; always the current format version).
+        checksums (:func:`clusterlm.plan.fileformat.write_plan_files`; always the current format version).
 
         Args:
             directory: target directory; existing plan files there are replaced.
@@ -326,7 +326,7 @@ class Plan(PlanInvariants, PlanSummary):
     def load(cls, path: str | os.PathLike) -> Plan:
         """Read a plan written by :meth:`save`, checking that its two files are the ones saved together.
 
-        Every check of the files (:func:`clusterlm.planfile.read_plan_files`) runs before any field is used; then
+        Every check of the files (:func:`clusterlm.plan.fileformat.read_plan_files`) runs before any field is used; then
         the plan's invariants (:meth:`validate`) and plan.json's summaries against the arrays.
 
         Args:

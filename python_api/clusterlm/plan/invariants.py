@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.planfile import PLAN_VERSION, READABLE_VERSIONS
+from clusterlm.plan.fileformat import PLAN_VERSION, READABLE_VERSIONS
 
 __all__ = ["PlanInvariants", "jsonable"]
 
@@ -149,7 +149,7 @@ class PlanInvariants:
         if not math.isclose(mean, 1.0, rel_tol=_MEAN_RTOL, abs_tol=0.0):
             raise ValueError(
                 f"Plan.weights: the mean weight over the {selected.size} selected examples must be 1, got {mean!r}; "
-                "compute weights with clusterlm.allocation.selection_weights."
+                "compute weights with clusterlm.selection.allocation.selection_weights."
             )
 
     def _validate_clusters(self, n: int) -> None:

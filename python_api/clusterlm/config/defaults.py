@@ -1,0 +1,25 @@
+"""Values the configs need and the code below them shares, defined once.
+
+The configs import only this package, so these constants live here rather than in the modules that use them
+(the featurizer, the picks, the allocation, the authors' selection, the trainer's checkpoints), which import them
+from here.
+"""
+
+# The feature window and batching (selection.features)
+DEFAULT_FEATURE_TOKENS = 64  # the default feature window: settled by `make bench-real` (README, BENCHMARKS.md)
+DEFAULT_SHARD_SIZE = 1024  # examples per window / store shard (batches never cross one)
+DEFAULT_BATCH_TOKENS = 8192  # padded tokens per featurization forward
+LAYER_PRESETS = ("paper", "lm_head", "all-linear", "lora")
+DEFAULT_DIM = (32, 32)  # projected feature size k_o x k_i (one default for every caller)
+
+# Within-cluster picks (selection.picking) and cluster -> rank allocations (selection.allocation)
+WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
+ALLOCATIONS = ("cluster-per-rank", "stratified")
+
+# The authors' selection (selection.paper)
+PAPER_SEED = 42  # their args.seed default; the callback adds the epoch (0 at train begin)
+PAPER_CAP = 1.5  # cap = ceil(1.5 N / K), applied only when a cluster exceeds 1.5 N / K
+PAPER_N_INIT = 10
+
+# `--resume` without a value: OUT's newest checkpoint (engine.step)
+LATEST = "latest"

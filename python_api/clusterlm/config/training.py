@@ -1,0 +1,253 @@
+"""Every setting of a training run in one object: :class:`TrainConfig` (what ``clusterlm train`` takes).
+
+``clusterlm train``'s options are generated from its fields (:mod:`clusterlm.cli.options`), a ``--config run.yaml``
+holds the same names, and the resolved config is written to ``OUT/train_config.yaml`` (:meth:`TrainConfig.load`
+reads it back). :meth:`TrainConfig.check` refuses what cannot train before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from clusterlm.config.defaults import LATEST
+from clusterlm.config.files import ConfigFile
+from clusterlm.config.readers import non_negative_int_arg, positive_int_arg, string_list_arg
+
+__all__ = ["LATEST", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
+
+TRAIN_CONFIG = "train_config.yaml"  # the resolved config, next to the run's outputs
+REPORT_TO = ("none", "tensorboard", "wandb")
+# Half the relative spacing of representable values: smaller relative updates round to no change.
+WEIGHT_DTYPE_RESOLUTION = {"bfloat16": "2^-8 (0.4 %)", "float16": "2^-11 (0.05 %)"}
+
+_WHAT, _PROC, _SCHED, _MODEL, _LOG = ("what to train", "processes", "schedule", "model",
+                                       "evaluation, checkpoints, logging")
+# Numeric settings: (name, low, high, low allowed, high allowed, what it is); high inf = any finite value.
+_RANGES = (
+    ("lr", 0.0, math.inf, False, False, "the peak learning rate"),
+    ("warmup_ratio", 0.0, 1.0, True, False, "warm-up as a fraction of all steps"),
+    ("min_lr_ratio", 0.0, 1.0, True, True, "the final learning rate over the peak"),
+    ("beta1", 0.0, 1.0, True, False, "AdamW's first-moment decay"),
+    ("beta2", 0.0, 1.0, True, False, "AdamW's second-moment decay"),
+    ("weight_decay", 0.0, math.inf, True, False, "decoupled weight decay"),
+    ("max_grad_norm", 0.0, math.inf, True, False, "gradient clipping, 0 turns it off"),
+    ("lora_dropout", 0.0, 1.0, True, False, "dropout of the LoRA inputs"),
+    ("preemption_grace", 0.0, math.inf, True, False, "seconds to checkpoint after a preemption signal"),
+)
+
+def _opt(group: str, default: Any = None, **meta: Any) -> Any:
+    return field(default=default, metadata={"group": group, **meta})
+
+
+def _int(group: str, default: int | None, low: int, **meta: Any) -> Any:
+    # ``low``: the least value, read by the option's reader and by TrainConfig.check (for values set in Python)
+    return _opt(group, default, parse=positive_int_arg if low == 1 else non_negative_int_arg, low=low, **meta)
+
+
+@dataclass(frozen=True)
+class TrainConfig(ConfigFile):
+    """Every setting of ``clusterlm train`` (:func:`clusterlm.train`); the command-line options are these fields.
+
+    Attributes:
+        plan: plan directory (clusterlm select), or a baseline: 'full', 'random:<ratio>' (random:0.31),
+            'random:<count>'.
+        model: built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, or a local
+            HF model directory.
+        data: training data the plan was made for (.jsonl/.json/.parquet).
+        out: output directory (metrics, checkpoints, summary, model, train_config.yaml).
+        allow_other_model: train even when the plan was selected with another model (its model id differs).
+        eval_data: held-out data; its answer-token loss is reported.
+        chat_template: render prompt/response data through the tokenizer's chat template (auto: when it has one;
+            must match the plan's selection).
+        max_length: truncate examples to this many tokens (default: the plan's, else 1024).
+        nproc: processes on this node; > 1 spawns torch.distributed.run (default 1; ignored under torchrun).
+        nnodes: nodes (with rdzv_endpoint).
+        rdzv_endpoint: host:port of the rendezvous for nnodes > 1.
+        rdzv_id: rendezvous id shared by the nodes of one run.
+        device: auto (CUDA when present), cpu or cuda.
+        threads: torch CPU threads per rank (default 1 on CPU: deterministic and no oversubscription).
+        max_restarts: after a rank fails, restart every rank up to N times, each continuing from the latest
+            complete checkpoint (torchrun's elastic agent; set save_every so that there is one).
+        dist_timeout: seconds a collective may wait for the other ranks; then the run fails, naming the rank that is
+            behind and the operation (default: torch's 30 minutes).
+        preemption_grace: seconds the ranks get after SIGTERM or SIGUSR1 to finish the step and checkpoint it
+            before they are killed (a second signal ends them at once).
+        epochs: passes over each rank's plan list.
+        max_steps: optimizer steps (overrides epochs).
+        micro_batch_size: examples per rank and forward pass.
+        grad_accum: micro-batches per optimizer step.
+        lr: peak learning rate.
+        lr_schedule: decay after the warm-up: cosine, linear or constant.
+        warmup_steps: linear warm-up steps (overrides warmup_ratio).
+        warmup_ratio: warm-up as a fraction of all steps.
+        min_lr_ratio: final learning rate / peak.
+        optimizer: adamw or adafactor.
+        weight_decay: decoupled decay of matrices (not biases/norms).
+        beta1: AdamW's first-moment decay.
+        beta2: AdamW's second-moment decay.
+        max_grad_norm: gradient clipping (0: off).
+        seed: seeds the model's LoRA init, dropout and the per-epoch visit order.
+        epoch_shuffle: reshuffle each rank's plan order every epoch (--no-epoch-shuffle: the plan order every epoch).
+        bf16: bf16 autocast (auto: on CUDA).
+        dtype: weights' dtype on the device (auto: float32 for full fine-tuning, a bfloat16 LoRA base on CUDA;
+            compute precision is bf16; --model-dtype: older name).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, more time).
+        fsdp: shard parameters, gradients and optimizer state over the ranks (FSDP2, one unit per decoder block;
+            bf16 compute with float32 reduction when bf16 is on): for models whose DDP replica with its gradients
+            and optimizer state does not fit one GPU.
+        lora_r: LoRA rank (0: full fine-tuning).
+        lora_alpha: LoRA alpha (default 2 * r).
+        lora_dropout: dropout of the LoRA inputs.
+        lora_targets: comma-separated module names for LoRA, or 'all-linear'.
+        deterministic: torch.use_deterministic_algorithms (auto: on for CPU).
+        eval_every: evaluate every N steps (0: only before the first and after the last step).
+        initial_eval: evaluate before the first step (--no-initial-eval skips it, e.g. when it is known already).
+        eval_batch_size: examples per evaluation forward.
+        eval_max_examples: evaluate on the first N held-out examples only.
+        save_every: checkpoint every N steps (0: only at the end).
+        keep_checkpoints: checkpoints kept (the newest).
+        resume: continue OUT's latest checkpoint (--resume alone), or the given .pt file.
+        overwrite: start afresh in an OUT that holds an earlier run.
+        save_model: write OUT/model at the end (--no-save-model: do not).
+        log_every: a log line every N steps when there is no progress bar.
+        progress: a progress bar (--no-progress: log lines instead).
+        report_to: where rank 0 also logs the scalars of metrics.jsonl: none, tensorboard, wandb (comma-separated
+            for several; OUT/tensorboard, or a W&B run named after OUT).
+    """
+
+    plan: str | None = _opt(_WHAT)
+    model: str | None = _opt(_WHAT)
+    data: str | None = _opt(_WHAT)
+    out: str | None = _opt(_WHAT)
+    allow_other_model: bool = _opt(_WHAT, False)
+    eval_data: str | None = _opt(_WHAT)
+    chat_template: Literal["auto", "on", "off"] = _opt(_WHAT, "auto")
+    max_length: int | None = _int(_WHAT, None, 1)
+    nproc: int | None = _int(_PROC, None, 1)
+    nnodes: int = _int(_PROC, 1, 1)
+    rdzv_endpoint: str | None = _opt(_PROC)
+    rdzv_id: str = _opt(_PROC, "clusterlm")
+    device: Literal["auto", "cpu", "cuda"] = _opt(_PROC, "auto")
+    threads: int | None = _int(_PROC, None, 1)
+    max_restarts: int = _int(_PROC, 0, 0)
+    dist_timeout: float | None = _opt(_PROC)
+    preemption_grace: float = _opt(_PROC, 60.0)
+    epochs: int = _int(_SCHED, 1, 1)
+    max_steps: int | None = _int(_SCHED, None, 1)
+    micro_batch_size: int = _int(_SCHED, 4, 1)
+    grad_accum: int = _int(_SCHED, 1, 1)
+    lr: float = _opt(_SCHED, 2e-5)
+    lr_schedule: Literal["cosine", "linear", "constant"] = _opt(_SCHED, "cosine")
+    warmup_steps: int | None = _int(_SCHED, None, 0)
+    warmup_ratio: float = _opt(_SCHED, 0.0)
+    min_lr_ratio: float = _opt(_SCHED, 0.0)
+    optimizer: Literal["adamw", "adafactor"] = _opt(_SCHED, "adamw")
+    weight_decay: float = _opt(_SCHED, 0.0)
+    beta1: float = _opt(_SCHED, 0.9)
+    beta2: float = _opt(_SCHED, 0.999)
+    max_grad_norm: float = _opt(_SCHED, 1.0)
+    seed: int = _int(_SCHED, 0, 0)
+    epoch_shuffle: bool = _opt(_SCHED, True)
+    bf16: Literal["auto", "on", "off"] = _opt(_MODEL, "auto")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(_MODEL, "auto", aliases=["--model-dtype"])
+    gradient_checkpointing: bool = _opt(_MODEL, False)
+    fsdp: bool = _opt(_MODEL, False)
+    lora_r: int = _int(_MODEL, 0, 0)
+    lora_alpha: float | None = _opt(_MODEL)
+    lora_dropout: float = _opt(_MODEL, 0.0)
+    lora_targets: str = _opt(_MODEL, "all-linear")
+    deterministic: Literal["auto", "on", "off"] = _opt(_MODEL, "auto")
+    eval_every: int = _int(_LOG, 0, 0)
+    initial_eval: bool = _opt(_LOG, True)
+    eval_batch_size: int = _int(_LOG, 8, 1)
+    eval_max_examples: int | None = _int(_LOG, None, 1)
+    save_every: int = _int(_LOG, 0, 0)
+    keep_checkpoints: int = _int(_LOG, 2, 1)
+    resume: str | None = _opt(_LOG, nargs="?", const=LATEST, metavar="CHECKPOINT")
+    overwrite: bool = _opt(_LOG, False)
+    save_model: bool = _opt(_LOG, True)
+    log_every: int = _int(_LOG, 10, 1)
+    progress: bool = _opt(_LOG, True)
+    report_to: tuple[str, ...] = _opt(_LOG, (), parse=string_list_arg, metavar="none|tensorboard|wandb")
+
+    COMMAND: ClassVar[str] = "train"
+
+    def __post_init__(self) -> None:
+        # A list (from YAML or Python) becomes a tuple, a comma string a tuple: the config stays hashable and frozen.
+        if isinstance(self.report_to, (str, list)):
+            object.__setattr__(self, "report_to", string_list_arg(self.report_to))
+
+    # -- checks --------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse settings that cannot train (or not well); runs before anything is loaded.
+
+        Raises:
+            ValueError: a missing plan/model/data/out, a number out of range (lr not > 0, a ratio outside [0, 1),
+                a beta outside [0, 1), negative decay or clipping, lora_alpha not > 0, ...), LoRA without target
+                modules, an unknown report_to, dtype bfloat16/float16 without LoRA (full fine-tuning of
+                low-precision weights).
+            TypeError: a setting of the wrong type.
+        """
+        missing = [f"--{n.replace('_', '-')}" for n in ("plan", "model", "data", "out") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"train: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an option, "
+                             "or a field of the --config file).")
+        self._check_types()
+        for name, low, high, low_ok, high_ok, what in _RANGES:
+            value = getattr(self, name)
+            inside = (value >= low if low_ok else value > low) and (value <= high if high_ok else value < high)
+            if not (math.isfinite(value) and inside):
+                bounds = [f"{'>=' if low_ok else '>'} {low:g}", "finite" if math.isinf(high) else
+                          f"{'<=' if high_ok else '<'} {high:g}"]
+                raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be "
+                                 f"{' and '.join(bounds)} ({what}).")
+        if self.dist_timeout is not None and not (isinstance(self.dist_timeout, (int, float))
+                                                  and math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise ValueError(f"train: --dist-timeout {self.dist_timeout!r} is out of range: it must be > 0 seconds "
+                             "(or unset: torch's default of 30 minutes).")
+        self._check_lora()
+        bad = [r for r in self.report_to if r not in REPORT_TO]
+        if bad or ("none" in self.report_to and len(self.report_to) > 1):
+            raise ValueError(f"train: --report-to {','.join(self.report_to)}: expected none, or one or more of "
+                             "tensorboard, wandb (comma-separated).")
+        if self.dtype in WEIGHT_DTYPE_RESOLUTION and not self.lora_r:
+            raise ValueError(
+                f"train: --dtype {self.dtype} without LoRA trains the weights themselves in {self.dtype}, where an "
+                f"update smaller than about {WEIGHT_DTYPE_RESOLUTION[self.dtype]} of a weight rounds away, as most "
+                "AdamW steps at fine-tuning learning rates do, so the model barely learns; use --dtype float32 (or "
+                f"auto) with --bf16 on (bf16 autocast over float32 weights), or a LoRA run on the {self.dtype} base "
+                "(--lora-r 16)."
+            )
+
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            if "low" not in f.metadata:
+                continue
+            name, low, value = f.name, f.metadata["low"], getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"train: {name} must be an int >= {low}, got {value!r}.")
+            if value < low:
+                raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be an int "
+                                 f">= {low}.")
+        for name, *_ in _RANGES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"train: {name} must be a number, got {value!r}.")
+
+    def _check_lora(self) -> None:
+        if not self.lora_r:
+            return
+        alpha = self.lora_alpha
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"train: --lora-alpha {alpha!r} is out of range: it must be > 0 and finite (the LoRA "
+                             "scale is alpha / r; the default is 2 * r).")
+        targets = self.lora_targets
+        if targets != "all-linear" and not [t for t in str(targets).split(",") if t.strip()]:
+            raise ValueError(f"train: --lora-targets {targets!r} names no module; give comma-separated module names "
+                             "(q_proj,v_proj) or all-linear.")

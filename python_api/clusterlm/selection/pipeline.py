@@ -1,0 +1,318 @@
+"""One ``clusterlm select`` run, stage by stage: load -> features (store, resume) -> cluster -> plan -> save/report.
+
+The same route for one process and for ``N`` processes (:class:`SelectJob` ``nproc``, or a launch by hand with
+``torchrun --nproc-per-node N -m clusterlm select ARGS``)::
+
+    job = SelectJob(model="tiny-llama", data="train.jsonl", out="plan/", config=SelectConfig(world_size=2, ratio=0.31))
+    plan = run_select(job)
+
+1. check: every setting (:meth:`clusterlm.SelectConfig.check`), the data file and the output directories,
+   before any model or data loads;
+2. load: the data file is read before the model (a bad file fails fast), then the model on its device and
+   dtype (:func:`clusterlm.models.load_model`), then the tokenised data; the settings are resolved against
+   the data (:meth:`clusterlm.SelectConfig.resolve`) before any feature is computed;
+3. features: into ``OUT/features`` (or ``feature_store``), resumable; with ``N`` processes each featurizes
+   its shards (:func:`clusterlm.selection.distributed.featurize_sharded`);
+4. cluster and pick: :func:`clusterlm.selection.select.select_from_features`, with the distributed K-means
+   (:class:`clusterlm.selection.distributed.DistributedClustering`) under ``N`` processes; the plan carries its data
+   record from the start;
+5. save: ``plan.json`` / ``plan.npz`` and ``report.png`` (rank 0).
+
+With ``nproc > 1`` and no process group yet, :func:`run_select` starts the processes itself through torch's
+launcher (:func:`clusterlm.launch.launcher.spawn`, running ``python -m clusterlm select``) and returns the plan rank 0
+wrote. The plan equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from clusterlm.config.files import ConfigFile, check_keys, field_value, to_dict
+from clusterlm.config.readers import max_length_arg, non_negative_int_arg, positive_int_arg
+from clusterlm.config.selection import ResolvedSelection, SelectConfig
+from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
+from clusterlm.fileio import atomic_write_json, storage_errno, storage_error
+from clusterlm.launch.failures import removed_if_empty
+from clusterlm.launch.launcher import (
+    DistInfo,
+    SpawnFailed,
+    barrier,
+    init_distributed,
+    spawn_with_config,
+    under_torchrun,
+)
+from clusterlm.models import load_model, resolve_device
+from clusterlm.plan import Plan
+from clusterlm.plan.report import draw_report, save_report_data
+from clusterlm.selection.distributed import DistributedClustering, featurize_sharded
+from clusterlm.selection.select import build_featurizer, feature_settings, featurizer_record, select_from_features
+from clusterlm.selection.store import FeatureStore
+
+__all__ = ["SELECT_CONFIG", "STORE_KEY", "SelectJob", "SpawnFailed", "check_job", "run_select", "writable_dir"]
+
+STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
+SELECT_CONFIG = "select_config.yaml"  # in OUT: the resolved job (clusterlm select --config reads it back)
+
+
+@dataclass(frozen=True)
+class SelectJob(ConfigFile):
+    """One selection run: inputs, outputs and the selection settings.
+
+    Attributes:
+        model: built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, a local
+            Hugging Face directory or a cached hub id.
+        data: the training data file (.jsonl / .json / .parquet with prompt/response, instruction/input/output or
+            messages columns).
+        out: directory for plan.json, plan.npz, report.png, select_config.yaml (and features/).
+        config: the selection settings (their options are SelectConfig's fields).
+        max_length: truncate examples to this many tokens.
+        chat_template: render prompt/response data through the tokenizer's chat template (auto: when it has one).
+        feature_store: keep the features there instead of OUT/features (resumable).
+        progress: progress bars and stage lines (--no-progress: none).
+        device: where the model and the features run: auto (CUDA when present, cuda:LOCAL_RANK under torchrun),
+            cpu, cuda, cuda:N.
+        dtype: the weights' dtype, loaded straight onto the device: auto (bfloat16 on a CUDA device that supports
+            it, else float32), float32, bfloat16, float16.
+        nproc: selection processes on this machine (torch.distributed.run; sharded features and distributed
+            K-means; the plan is the same as with 1).
+        max_restarts: with nproc > 1, restart every process after one fails, up to N times; the restarted run
+            keeps the feature shards already stored and gives the same plan (torchrun's elastic agent).
+        dist_timeout: seconds a collective may wait for the other processes before the run fails (default: torch's
+            30 minutes).
+        debug: the ranks of a spawned run print tracebacks too.
+    """
+
+    model: str | None = None
+    data: str | None = None
+    out: str | os.PathLike | None = field(default=None, metadata={"parse": str})
+    config: SelectConfig = field(default_factory=SelectConfig, metadata={"cli": False})
+    max_length: int = field(default=DEFAULT_MAX_LENGTH, metadata={"parse": max_length_arg})
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    feature_store: str | None = None
+    progress: bool = True
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    nproc: int = field(default=1, metadata={"parse": positive_int_arg})
+    max_restarts: int = field(default=0, metadata={"parse": non_negative_int_arg})
+    dist_timeout: float | None = None
+    debug: bool = field(default=False, metadata={"cli": False})
+
+    COMMAND: ClassVar[str] = "select"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, flat: the job's fields and the selection settings side by side (what select_config.yaml
+        holds; ``debug`` is left out)."""
+        job = {k: v for k, v in to_dict(self).items() if k not in ("config", "debug")}
+        return {**job, **to_dict(self.config)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "SelectJob") -> SelectJob:
+        """The job of a flat mapping (job fields and SelectConfig fields; an unknown name is refused, naming the
+        closest field)."""
+        job_names = {f.name for f in fields(cls)} - {"config"}
+        job = {k: v for k, v in data.items() if k in job_names}
+        settings = {k: v for k, v in data.items() if k not in job_names}
+        check_keys(settings, SelectConfig, where)
+        hints = typing.get_type_hints(SelectConfig)
+        settings = {k: field_value(hints[k], v) for k, v in settings.items()}
+        return cls(**job, config=SelectConfig(**settings))
+
+
+def writable_dir(path: str | os.PathLike, option: str) -> Path:
+    """``path`` as a directory this process can write into: created when missing, checked with a probe file.
+
+    Raises:
+        ValueError: ``path`` is a file, sits under a file, or cannot be created or written (one line naming
+            ``option`` and the path).
+        StorageError: the disk (or quota) is full.
+    """
+    if not str(path).strip():
+        raise ValueError(f"{option} is empty; give a directory (created when missing).")
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {p} is not a directory (it is a file); give a directory (created when missing).")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".clusterlm-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        if storage_errno(err) is not None:
+            raise storage_error(err, p) from err
+        blocker = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{option} {p} is not a directory: {blocker} is a file; give another path.") from err
+        raise ValueError(
+            f"{option} {p} is not writable ({err.strerror or err}); give a directory you can write to."
+        ) from err
+    return p
+
+
+def check_job(job: SelectJob) -> None:
+    """Every setting and the output locations, before any model or data loads.
+
+    Raises:
+        ValueError / TypeError: a bad setting (named); FileNotFoundError: no such data file.
+    """
+    missing = [f"--{n}" for n in ("model", "data", "out") if getattr(job, n) is None]
+    if missing:
+        raise ValueError(f"select: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an option, or "
+                         "a field of the --config file).")
+    job.config.check()
+    resolve_device(job.device)  # --device cuda without CUDA: one line now, never a silent CPU run
+    if isinstance(job.data, (str, os.PathLike)) and not Path(job.data).expanduser().exists():
+        raise FileNotFoundError(f"select: --data {job.data}: no such file or directory.")
+    writable_dir(job.out, "--out")
+    if job.feature_store:
+        writable_dir(job.feature_store, "--feature-store")
+
+
+def run_select(job: SelectJob) -> Plan:
+    """Run the selection of ``job`` (module docstring); returns the plan (also saved in ``job.out``).
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad settings or inputs, before any model work where they can
+            be told without the data.
+        SpawnFailed: the processes of an ``nproc > 1`` run failed (their line is printed already).
+    """
+    with removed_if_empty(job.out or ".", _wrote_output):
+        check_job(job)
+        if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+            return _select(job, init_distributed(timeout=job.dist_timeout))
+        if job.nproc > 1:
+            return _spawn(job)
+        return _select(job, None)
+
+
+def _wrote_output(out: Path) -> bool:
+    """A selection's first output: a plan, or a feature shard (kept: a rerun resumes from it)."""
+    store = out / "features"
+    return (out / "plan.json").exists() or (store / "features.npy").exists() or any(store.glob("shard_*.npy"))
+
+
+def _spawn(job: SelectJob) -> Plan:
+    """Start ``job.nproc`` ranks on the job's config file (OUT/select_config.yaml); the plan rank 0 wrote."""
+    env = {"CLUSTERLM_DEBUG": "1"} if job.debug else None  # the ranks show tracebacks too
+    path = Path(job.out) / SELECT_CONFIG
+    spawn_with_config("select", path, job.save(path), job.nproc, env=env, max_restarts=job.max_restarts)
+    return Plan.load(job.out)
+
+
+def _stage(show: bool, step: str, text: str) -> float:
+    if show:
+        print(f"[{step}] {text}", flush=True)
+    return time.perf_counter()
+
+
+def _select(job: SelectJob, info: DistInfo | None) -> Plan:
+    """The stages on this process: alone (``info`` None) or as one rank of a process group."""
+    main_rank = info is None or info.rank == 0
+    show = main_rank and job.progress
+    where = f" on {info.world_size} processes" if info else ""
+    t0 = _stage(main_rank, "1/4", f"model {job.model}{where}, device {job.device}, dtype {job.dtype}")
+    raw = read_data(job.data)  # a bad data file fails before the model loads
+    model, tokenizer, model_id = load_model(job.model, device=job.device, dtype=job.dtype)
+    data = load_data(raw, tokenizer, max_length=job.max_length, progress=show,
+                     chat_template=CHAT_TEMPLATE_MODES[job.chat_template])
+    if main_rank:
+        truncated = f", {data.n_truncated} truncated to {job.max_length} tokens" if data.n_truncated else ""
+        truncated += f", {data.n_empty} skipped (empty answer)" if getattr(data, "n_empty", 0) else ""
+        print(f"      data {job.data}: {len(data)} examples ({data.format}, rendering {data.rendering}), "
+              f"{int(data.lengths.sum())} tokens{truncated} [{time.perf_counter() - t0:.1f} s]")
+    s = job.config.resolve(len(data), data.lengths)
+    featurizer = build_featurizer(model, s, job.config)
+    store_dir = _feature_store(job, data, model_id, s) if main_rank else None
+    if info is not None:
+        barrier()  # rank 0 has emptied a stale OUT/features
+        store_dir = _store_path(job)
+    _stage(main_rank, "2/4", f"gradient features ({s.features}) -> {store_dir}"
+           + (f", sharded over {info.world_size} processes" if info else
+              f", K-means, world size {job.config.world_size}"))
+    t1 = time.perf_counter()
+    feats, cluster_fn, extra = _features(job, featurizer, data, store_dir, info, show)
+    plan = select_from_features(
+        feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
+        timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn, resolved=s,
+        device=featurizer.device,  # the K-means runs on the model's GPU when it can (select.kmeans_device)
+        extra_config={"features": featurizer_record(featurizer, s), **extra, "data": _data_record(job, data)},
+    )
+    if main_rank:
+        _save(job, plan, feats, s, t0 if info else None)
+    if info is not None:
+        barrier()
+    return plan
+
+
+def _features(job: SelectJob, featurizer: Any, data: Any, store_dir: Path, info: DistInfo | None,
+              show: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """The features of all examples, the clustering to use (None: in this process) and what the plan records."""
+    batch_tokens = job.config.batch_tokens or featurizer.auto_batch_tokens()  # None: from free device memory
+    if info is None:
+        return featurizer.featurize(data, batch_tokens=batch_tokens, store=store_dir, progress=show), None, {}
+    part = featurize_sharded(featurizer, data, store_dir, rank=info.rank, world_size=info.world_size,
+                             batch_tokens=batch_tokens, progress=show)
+    clustering = DistributedClustering(part.local(), n_total=len(data), progress=show)
+    return FeatureStore(store_dir).features(), clustering, {"selection_processes": info.world_size}
+
+
+def _save(job: SelectJob, plan: Plan, feats: Any, s: ResolvedSelection, t_start: float | None) -> None:
+    out = Path(job.out)
+    _stage(True, "3/4", f"writing {out}/plan.json, plan.npz")
+    plan.save(out)
+    job.save(out / SELECT_CONFIG)
+    save_report_data(out, np.asarray(feats), seed=s.seed)
+    _stage(True, "4/4", f"drawing {out}/report.png")
+    draw_report(out, plan)
+    print()
+    print(plan.summary())
+    took = f"  [{time.perf_counter() - t_start:.1f} s]" if t_start is not None else ""
+    print(f"\nplan:   {out / 'plan.json'} (+ plan.npz)\nreport: {out / 'report.png'}{took}")
+
+
+def _store_path(job: SelectJob) -> Path:
+    return Path(job.feature_store) if job.feature_store else Path(job.out) / "features"
+
+
+def _feature_store(job: SelectJob, data: Any, model_id: str, s: ResolvedSelection) -> Path:
+    """``feature_store``, else ``OUT/features``: emptied first when it holds features of other data or settings.
+
+    A failure after the features are computed loses nothing (the rerun resumes from the store); a rerun with
+    another model, data, feature choice or seed into the same OUT recomputes instead of failing on the store.
+    """
+    store = _store_path(job)
+    if job.feature_store:
+        return store
+    key = json.loads(json.dumps({"model": model_id.rpartition("@")[2], "data": data.fingerprint(),
+                                 **feature_settings(s, job.config)}))
+    try:
+        found = json.loads((store / STORE_KEY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        found = None
+    if found == key:
+        return store
+    if store.exists():
+        print(f"      features: {store} holds features of other data or settings; computing them again", flush=True)
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(store / STORE_KEY, key)
+    return store
+
+
+def _data_record(job: SelectJob, data: Any) -> dict[str, Any]:
+    """What the plan records about its data: ``train`` takes max_length from it; with rendering, a mismatch of
+    ``--max-length`` or ``--chat-template`` can be named instead of a differing content hash."""
+    record = {"source": str(job.data), "max_length": job.max_length, "n_truncated": data.n_truncated,
+              "format": data.format, "rendering": data.rendering}
+    if getattr(data, "n_empty", 0):  # examples skipped for an empty answer (their 0-based lines in the source)
+        record |= {"n_empty": int(data.n_empty), "empty_indices": [int(i) for i in data.empty_indices]}
+    return record
