@@ -13,6 +13,8 @@ Two rules (docs/architecture.md):
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,7 +183,7 @@ def test_no_private_name_crosses_a_module():
     "source",
     [
         "import clusterlm.training.loop\n",
-        "def f():\n    from clusterlm import train_loop\n",
+        "def f():\n    from clusterlm.training import loop\n",
         "def f():\n    return __import__('clusterlm.training.loop')\n",
         "import importlib\nx = importlib.import_module('clusterlm.training.loop')\n",
     ],
@@ -519,7 +521,7 @@ def test_the_cpp_size_rules_see_planted_violations(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 MAX_MODULE_LINES = 600
-NAMESPACE_ALLOWED = {"clusterlm.cli.commands"}  # the one module that may hold argparse namespaces (report / export / demo)
+NAMESPACE_ALLOWED = {"clusterlm.cli.commands"}  # the one module that may hold an argparse namespace (report)
 
 
 def long_modules(modules: dict[str, Path], limit: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:
@@ -586,3 +588,108 @@ def test_the_longest_modules_named_for_the_test_order_exist():
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LONGEST_MODULES")
     missing = [m for m in named if not (ROOT / m).is_file()]
     assert named and not missing, f"tests/conftest.py LONGEST_MODULES names modules that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Subpackages by job, in layers (docs/architecture.md): a module imports its own subpackage and those below it only;
+# the configs at the bottom import neither torch nor transformers; the job functions stay functions.
+# ------------------------------------------------------------------------------------------------------------------
+
+LAYERS = (  # top to bottom
+    ("clusterlm.cli", "clusterlm.__main__", "clusterlm.train"),
+    ("clusterlm.comparison",),
+    ("clusterlm.integrations",),
+    ("clusterlm.training",),
+    ("clusterlm.selection",),
+    ("clusterlm.models",),
+    ("clusterlm.engine",),
+    ("clusterlm.plan",),
+    ("clusterlm.data",),
+    ("clusterlm.launch",),
+    ("clusterlm.config",),
+    ("clusterlm.fileio",),
+    ("cluster_kernels",),
+)
+FACADE = "clusterlm"  # the package __init__: public names loaded lazily, by name, from any layer
+MAX_ROOT_MODULES = 12
+MAX_SUBPACKAGE_MODULES = 15
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of the entry that holds ``module`` (the longest matching prefix)."""
+    best, found = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), i
+    assert found is not None, f"{module} is in no layer of LAYERS: add its subpackage (docs/architecture.md)"
+    return found
+
+
+def upward_imports() -> list[str]:
+    bad = []
+    for module in MODULES:
+        if module == FACADE:
+            continue
+        for target, _, line in imports_of(module):
+            if target != FACADE and layer_of(target) < layer_of(module):
+                bad.append(f"{_where(MODULES[module])}:{line} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                           f"({LAYERS[layer_of(target)][0]}, a layer above)")
+    return bad
+
+
+def test_every_module_is_in_a_layer_and_imports_point_down():
+    bad = upward_imports()
+    assert not bad, "imports up the layers (move the shared code down; docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_layer_rule_sees_a_planted_upward_import(tmp_path, monkeypatch):
+    planted = tmp_path / "training.py"
+    planted.write_text(MODULES["clusterlm.config.training"].read_text() + "\nimport clusterlm.training.loop\n")
+    monkeypatch.setitem(MODULES, "clusterlm.config.training", planted)
+    bad = [b for b in upward_imports() if "clusterlm.training.loop" in b]
+    assert len(bad) == 1 and "(clusterlm.config)" in bad[0]
+
+
+def package_sizes() -> dict[str, int]:
+    """Modules (``.py`` files but ``__init__``) directly in the package root and in each subpackage."""
+    root = PACKAGES["clusterlm"]
+    sizes = {"clusterlm": len([p for p in root.glob("*.py") if p.name != "__init__.py"])}
+    for init in root.rglob("__init__.py"):
+        if init.parent != root:
+            sizes[".".join(("clusterlm", *init.parent.relative_to(root).parts))] = len(
+                [p for p in init.parent.glob("*.py") if p.name != "__init__.py"])
+    return sizes
+
+
+def test_the_root_and_every_subpackage_stay_small():
+    sizes = package_sizes()
+    assert sizes["clusterlm"] <= MAX_ROOT_MODULES, f"{sizes['clusterlm']} modules at the package root"
+    big = {name: n for name, n in sizes.items() if name != "clusterlm" and n > MAX_SUBPACKAGE_MODULES}
+    assert not big, f"subpackages over {MAX_SUBPACKAGE_MODULES} modules (split them by job): {big}"
+
+
+CONFIG_MODULES = sorted(m for m in MODULES if m.startswith("clusterlm.config"))
+
+
+def test_configs_import_neither_torch_nor_transformers():
+    # A fresh interpreter: this one has torch loaded already.
+    code = ("import sys, importlib\nimport clusterlm\n"
+            f"for m in {CONFIG_MODULES!r}:\n    importlib.import_module(m)\n"
+            "for name in ('SelectConfig', 'TrainConfig', 'CompareConfig', 'ExportConfig'):\n"
+            "    getattr(clusterlm, name)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing the configs loaded {done.stdout.strip()}"
+    assert len(CONFIG_MODULES) > 5
+
+
+def test_the_job_functions_stay_functions_whatever_is_imported():
+    code = ("import types, importlib\nimport clusterlm\n"
+            "for m in ('clusterlm.train', 'clusterlm.selection.select', 'clusterlm.comparison.run', "
+            "'clusterlm.training.run'):\n    importlib.import_module(m)\n"
+            "print([type(getattr(clusterlm, n)).__name__ for n in ('select', 'train', 'compare')])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['function', 'function', 'function']", done.stdout

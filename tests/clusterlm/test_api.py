@@ -17,7 +17,7 @@ import pytest
 import clusterlm
 from clusterlm.cli import commands as cli
 from clusterlm.cli.options import parse_config
-from clusterlm.training.reporting import TENSORBOARD_DIR, check_report_to
+from clusterlm.training.reporting import TENSORBOARD_DIR
 
 MAX_LENGTH = 96  # = small_sft.max_length (tests/clusterlm/conftest.py)
 
@@ -98,7 +98,7 @@ def test_a_missing_reporter_package_is_one_line_naming_the_install(monkeypatch, 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ImportError, match="pip install wandb"):
-        check_report_to(("wandb",))
+        clusterlm.TrainConfig(plan="full", model="m", data="d", out="o", report_to=("wandb",)).check()
     assert cli.main(["train", "--plan", "full", "--model", "tiny-llama", "--data", "d.jsonl", "--out", "o",
                      "--report-to", "wandb"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

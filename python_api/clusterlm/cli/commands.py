@@ -23,21 +23,21 @@ from clusterlm.cli.options import ConfigArgumentParser, parse_config
 from clusterlm.comparison.output import markdown_table
 from clusterlm.comparison.run import compare
 from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
-from clusterlm.config.readers import fraction_arg, non_negative_int_arg, positive_int_arg
-from clusterlm.config.selection import SelectConfig
+from clusterlm.config.demo import DemoConfig
+from clusterlm.config.export import ExportConfig, ExportJob
+from clusterlm.config.selection import SelectConfig, SelectJob
 from clusterlm.config.training import TrainConfig
-from clusterlm.data import CHAT_TEMPLATE_MODES
 from clusterlm.fileio import LockedError, StorageError
 from clusterlm.integrations.export import export_files
 from clusterlm.launch.failures import report_failure, reported_by_launcher, tee_stderr
 from clusterlm.launch.launcher import SpawnFailed, check_config_file, under_torchrun
 from clusterlm.launch.preemption import PREEMPTED_EXIT, Preempted
 from clusterlm.plan.report import show_report
-from clusterlm.selection.pipeline import SelectJob, run_select
-from clusterlm.training.demo import DEMO_OUT, run_demo
+from clusterlm.selection.pipeline import run_select
+from clusterlm.training.demo import run_demo
 from clusterlm.training.run import train
 
-COMMANDS = {
+COMMANDS = {  # the order of `clusterlm --help`
     "select": "select per-rank training examples and write a plan",
     "train": "reference DDP trainer on a plan (torchrun; gloo on CPU, nccl on GPU)",
     "compare": "all selection methods through the same trainer: time and held-out loss",
@@ -98,6 +98,26 @@ def compare_config(values: dict[str, Any]) -> CompareConfig:
     return CompareConfig(**_split(values, CompareConfig), train=compare_train_defaults().replace(**train_values))
 
 
+def export_parser() -> ConfigArgumentParser:
+    """``clusterlm export``: :class:`ExportJob`'s fields and :class:`ExportConfig`'s, side by side."""
+    parser = ConfigArgumentParser("clusterlm export", COMMANDS["export"])
+    parser.add_config(ExportJob, title="inputs and outputs")
+    parser.add_config(ExportConfig, title="layout (ExportConfig)")
+    return parser
+
+
+def demo_parser() -> ConfigArgumentParser:
+    """``clusterlm demo``: :class:`DemoConfig`'s fields."""
+    parser = ConfigArgumentParser("clusterlm demo", COMMANDS["demo"])
+    parser.add_config(DemoConfig)
+    return parser
+
+
+def export_job(values: dict[str, Any]) -> ExportJob:
+    """The :class:`ExportJob` of ``clusterlm export``'s parsed values."""
+    return ExportJob(**_split(values, ExportJob), config=ExportConfig(**_split(values, ExportConfig)))
+
+
 def cmd_select(values: dict[str, Any], debug: bool) -> int:
     run_select(select_job(values, debug))
     return 0
@@ -123,14 +143,7 @@ def cmd_compare(values: dict[str, Any], debug: bool) -> int:
     return 0
 
 
-CONFIG_COMMANDS: dict[str, tuple[Callable[[], ConfigArgumentParser], Callable[[dict[str, Any], bool], int]]] = {
-    "select": (select_parser, cmd_select),
-    "train": (train_parser, cmd_train),
-    "compare": (compare_parser, cmd_compare),
-}
-
-
-# -- report, export, demo ---------------------------------------------------------------------------------------------
+# -- report, export, demo (export and demo: options generated from their configs too) ---------------------------------------------------------------------------------------------
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -138,43 +151,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(args.out, world_size=args.world_size, ratio=args.ratio, seed=args.seed, train_steps=args.train_steps,
-             progress=not args.no_progress)
+def cmd_demo(values: dict[str, Any], debug: bool) -> int:
+    run_demo(DemoConfig(**values))
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    paths, verified = export_files(
-        args.plan, args.data, args.out, model=args.model, max_length=args.max_length,
-        chat_template=CHAT_TEMPLATE_MODES[args.chat_template], split=args.split, batch_size=args.batch_size,
-        epochs=args.epochs, seed=args.seed, shuffle=not args.no_shuffle, drop_last=args.drop_last,
-        weight_column=args.weight_column)
+def cmd_export(values: dict[str, Any], debug: bool) -> int:
+    """``clusterlm export``: write the files, say where and whether the plan's fingerprint was verified."""
+    job = export_job(values)
+    job.check()
+    paths, verified = export_files(job.plan, job.data, job.out, job.config, model=job.model)
     check = "plan fingerprint verified" if verified else "raw rows: only their number checked (--model verifies)"
-    print(f"exported {args.plan} -> {paths['dataset']} (save_to_disk), {paths['jsonl']}, {paths['manifest']}; {check}")
+    print(f"exported {job.plan} -> {paths['dataset']} (save_to_disk), {paths['jsonl']}, {paths['manifest']}; {check}")
     return 0
 
 
-def _add_export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plan", required=True, help="plan directory (clusterlm select --out)")
-    p.add_argument("--data", required=True, help="the data the plan was made for: a file or save_to_disk directory")
-    p.add_argument("--out", required=True, help="output directory: dataset/, train.jsonl, export.json")
-    p.add_argument("--batch-size", type=positive_int_arg, default=1,
-                   help="per-device batch size of the consuming trainer (1 for DistributedSampler(shuffle=False))")
-    p.add_argument("--epochs", type=positive_int_arg, default=1, help="epochs written back to back, each reshuffled")
-    p.add_argument("--seed", type=non_negative_int_arg, default=0, help="plan sampler seed of the per-epoch order")
-    p.add_argument("--no-shuffle", action="store_true", help="every epoch in plan order")
-    p.add_argument("--drop-last", action="store_true", help="drop each rank's last per-rank %% batch-size examples")
-    p.add_argument("--weight-column", default="weight")
-    p.add_argument("--split", default=None, help="split of a DatasetDict directory")
-    p.add_argument("--model", default=None, help="tokenise raw rows with this model's tokenizer and verify the plan")
-    p.add_argument("--max-length", type=int, default=None, help="with --model (default: the plan's)")
-    p.add_argument("--chat-template", choices=list(CHAT_TEMPLATE_MODES), default="auto", help="with --model")
+CONFIG_COMMANDS: dict[str, tuple[Callable[[], ConfigArgumentParser], Callable[[dict[str, Any], bool], int]]] = {
+    "select": (select_parser, cmd_select),
+    "train": (train_parser, cmd_train),
+    "compare": (compare_parser, cmd_compare),
+    "export": (export_parser, cmd_export),
+    "demo": (demo_parser, cmd_demo),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser: ``--debug`` and the commands (``report``, ``export`` and ``demo`` parse here; the
-    config commands' options come from :data:`CONFIG_COMMANDS`' parsers)."""
+    """The top-level parser: ``--debug`` and the commands (``report`` parses here; the config commands' options
+    come from :data:`CONFIG_COMMANDS`' parsers)."""
     parser = _Parser(prog="clusterlm", description=__doc__.split("\n")[0])
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also accepted anywhere on the command line)")
@@ -184,18 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep = sub.add_parser("report", help=COMMANDS["report"])
     p_rep.add_argument("dir", help="plan directory")
     p_rep.set_defaults(func=cmd_report)
-    p_exp = sub.add_parser("export", help=COMMANDS["export"])
-    _add_export_args(p_exp)
-    p_exp.set_defaults(func=cmd_export)
-    p_demo = sub.add_parser("demo", help=COMMANDS["demo"])
-    p_demo.add_argument("--world-size", type=positive_int_arg, default=2)
-    p_demo.add_argument("--ratio", type=fraction_arg, default=0.31)
-    p_demo.add_argument("--seed", type=non_negative_int_arg, default=0)
-    p_demo.add_argument("--out", default=DEMO_OUT)
-    p_demo.add_argument("--train-steps", type=non_negative_int_arg, default=40,
-                        help="optimizer steps of the demo training (0: skip)")
-    p_demo.add_argument("--no-progress", action="store_true")
-    p_demo.set_defaults(func=cmd_demo)
     return parser
 
 

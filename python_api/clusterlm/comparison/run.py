@@ -83,6 +83,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,15 +204,39 @@ def _select(method: str, model: Any, data: Any, validation: Any, config: Compare
     raise ValueError(f"compare: unknown method {method!r}; choose from {', '.join(METHODS)}.")
 
 
-def compare(config: CompareConfig) -> CompareResult:
-    """Run (or continue) the comparison of ``config``; writes compare.json, compare.md, compare.png,
-    eval_losses.json and compare_config.yaml to ``config.out`` and returns the :class:`CompareResult`.
+def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
+    """Run (or continue) the comparison of ``config``: every method at every ratio and seed, selected here and
+    trained by the reference trainer with the same settings, then summarised.
+
+    Units already recorded in ``OUT/compare_state.jsonl`` with the same settings are not run again, so a rerun
+    after an interruption continues where it stopped.
+
+    Args:
+        config: the comparison's settings (:class:`clusterlm.CompareConfig`: model, data, held-out data, methods,
+            seeds, ratios, world size, ``out``, and ``train``, the training settings every run shares), or a mapping
+            of them (read as ``CompareConfig.from_dict`` reads it: unknown names are refused).
+
+    Returns:
+        The :class:`CompareResult` (``summary``, ``frontier``, ``verdicts``, ``records``): the content of
+        ``OUT/compare.json``. ``OUT`` also gets ``compare.md`` (the tables and one ``verdict:`` line per method),
+        ``compare.png``, ``eval_losses.json`` (every run's per-example held-out losses), ``compare_config.yaml``
+        (the resolved settings) and ``runs/`` (each run's plan and training outputs).
 
     Raises:
-        ValueError / TypeError: bad settings (ratio(s), world size, method settings, too few evaluation examples).
-        FileNotFoundError: missing data.
-        RuntimeError: a training run failed (its output is above; rerun to continue).
+        TypeError: ``config`` is not a :class:`clusterlm.CompareConfig` or a mapping of its settings, or a setting
+            has the wrong type.
+        ValueError: a bad setting (ratio(s), world size, method names or settings), a budget a cluster method
+            cannot meet on this data, too few evaluation examples, or an evaluation example that is also a training
+            example.
+        FileNotFoundError: the data or the held-out data is missing.
+        RuntimeError: a training run failed (its output is above; rerun to continue from the runs done).
     """
+    if isinstance(config, Mapping):  # a dict of settings: through the config's own loader (unknown names refused)
+        config = CompareConfig.from_dict(config, "compare(config)")
+    if not isinstance(config, CompareConfig):
+        raise TypeError(f"compare: config must be a clusterlm.CompareConfig (or a mapping of its settings), got "
+                        f"{type(config).__name__}; e.g. clusterlm.compare(clusterlm.CompareConfig(methods=('random', "
+                        "'cluster'), seeds=(0, 1))).")
     config.check()
     config, eval_sets = _resolved(config)
     data_path, eval_path = _data_paths(config, eval_sets)

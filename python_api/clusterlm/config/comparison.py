@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from clusterlm.config.base import Config
 from clusterlm.config.eval_sets import parse_eval_set
-from clusterlm.config.files import ConfigFile, check_keys, from_dict
+from clusterlm.config.files import check_keys, from_dict
 from clusterlm.config.readers import positive_int_arg, ratios_arg, seeds_arg
 from clusterlm.config.selection import SelectConfig
 from clusterlm.config.training import TrainConfig
@@ -41,9 +42,7 @@ BUDGETS = ("examples", "tokens")  # --budget: every method at ratio x examples, 
 N_VALIDATION = 32  # LESS's validation examples (the tail of the held-out data) when --n-validation is not given
 COMPARE_CONFIG = "compare_config.yaml"  # in OUT: the resolved config
 # TrainConfig fields compare sets per unit (plan, data, seed, ...) or holds itself (model, dtype): not its options.
-TRAIN_PER_UNIT = ("plan", "model", "data", "out", "eval_data", "seed", "nproc", "nnodes", "rdzv_endpoint", "rdzv_id",
-                  "resume", "overwrite", "save_model", "keep_checkpoints", "initial_eval",
-                  "allow_other_model", "dtype")
+TRAIN_PER_UNIT = tuple(f.name for f in fields(TrainConfig) if f.metadata.get("per_run"))
 
 
 @dataclass(frozen=True)
@@ -157,9 +156,13 @@ def parse_methods(value: str) -> list[str]:
     Raises:
         ValueError / TypeError: an empty list, a method given twice, or a bad entry (:func:`parse_method`).
     """
-    labels = [parse_method(v).label for v in _split_top(value) if v.strip()]
-    if not labels:
+    items = _split_top(value)
+    if not value.strip():
         raise ValueError(f"compare: --methods needs at least one method, got {value!r}.")
+    if not all(v.strip() for v in items):
+        raise ValueError(f"compare: --methods {value!r} has an empty item (two commas in a row, or a comma at an end); "
+                         "separate the methods with single commas, e.g. random,cluster.")
+    labels = [parse_method(v).label for v in items]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         raise ValueError(f"compare: --methods lists {', '.join(twice)} more than once.")
@@ -223,7 +226,7 @@ def compare_train_defaults() -> TrainConfig:
 
 
 @dataclass(frozen=True)
-class CompareConfig(ConfigFile):
+class CompareConfig(Config):
     """Every setting of ``clusterlm compare`` (:func:`clusterlm.compare`): the methods, budgets, seeds, data, and the
     training settings every unit shares (:attr:`train`).
 

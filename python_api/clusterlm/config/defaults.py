@@ -5,6 +5,12 @@ The configs import only this package, so these constants live here rather than i
 from here.
 """
 
+# Data (data.loading)
+DEFAULT_MAX_LENGTH = 1024  # tokens per example (select, train and compare truncate to this by default)
+
+# The command lines' --chat-template values -> load_data(chat_template=...)
+CHAT_TEMPLATE_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
 # The feature window and batching (selection.features)
 DEFAULT_FEATURE_TOKENS = 64  # the default feature window: settled by `make bench-real` (README, BENCHMARKS.md)
 DEFAULT_SHARD_SIZE = 1024  # examples per window / store shard (batches never cross one)

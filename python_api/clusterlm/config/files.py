@@ -26,15 +26,14 @@ import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from clusterlm.fileio import atomic_write_text
 
-__all__ = ["ConfigFile", "check_keys", "checksum", "field_help", "field_value", "from_dict", "read_config_file",
+__all__ = ["check_keys", "checksum", "field_help", "field_value", "from_dict", "read_config_file",
            "to_dict", "write_config"]
 
 T = TypeVar("T")
-C = TypeVar("C", bound="ConfigFile")
 _ATTR = re.compile(r"^(?P<names>[a-z_][a-z0-9_]*(?:\s*/\s*[a-z_][a-z0-9_]*)*):\s*(?P<text>.*)$")
 
 
@@ -125,42 +124,39 @@ def field_value(hint: Any, value: Any) -> Any:
     return tuple(value) if isinstance(value, list) and "tuple" in str(hint) else value
 
 
-class ConfigFile:
-    """What every job's config (a frozen dataclass) does with files: ``replace``, ``to_dict`` / ``from_dict``,
-    ``load`` / ``save``. :attr:`COMMAND` names the command whose ``--config`` reads the file."""
+def _duplicate_key(path: str | os.PathLike, key: Any, line: int | None = None) -> ValueError:
+    where = f" (line {line})" if line else ""
+    return ValueError(f"--config {path}: the key {key!r} is written twice{where}; a setting is given once (keep the "
+                      "value you mean and delete the other).")
 
-    COMMAND: ClassVar[str] = ""
 
-    def replace(self: C, **changes: Any) -> C:
-        """A copy with ``changes`` applied (``dataclasses.replace``).
+def _unique_json(pairs: list[tuple[str, Any]], path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key written twice (json keeps the last one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _duplicate_key(path, key)
+        out[key] = value
+    return out
 
-        Raises:
-            TypeError: a name that is not a field.
-        """
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (lists for tuples, nested configs as mappings): what the config file holds."""
-        return to_dict(self)
+def _load_yaml(text: str, path: str | os.PathLike) -> Any:
+    """``yaml.safe_load`` that refuses a mapping key written twice (PyYAML keeps the last one silently), naming
+    the key and its second line."""
+    import yaml
 
-    @classmethod
-    def from_dict(cls: type[C], data: Mapping[str, Any], where: str = "") -> C:
-        """The config of a mapping of field names (an unknown name is refused, naming the closest field)."""
-        return from_dict(cls, data, where or cls.__name__)
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise _duplicate_key(path, key, key_node.start_mark.line + 1)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
 
-    @classmethod
-    def load(cls: type[C], path: str | os.PathLike) -> C:
-        """Read a YAML/JSON config file (e.g. the resolved one written next to a run's outputs).
-
-        Raises:
-            FileNotFoundError / ValueError: no such file, not YAML/JSON, an unknown key.
-        """
-        return cls.from_dict(read_config_file(path), f"--config {path}")
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the YAML file (atomically); the sha256 of its text."""
-        header = f"clusterlm {self.COMMAND} --config FILE ({type(self).__name__})"
-        return write_config(self.to_dict(), Path(path), header=header)
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -168,7 +164,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not YAML/JSON, unreadable, or not a mapping at the top.
+        ValueError: not YAML/JSON, unreadable, not a mapping at the top, or a key written twice (named, with its
+            line in a YAML file).
     """
     p = Path(path).expanduser()
     if not p.is_file():
@@ -176,11 +173,9 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     text = p.read_text(encoding="utf-8")
     try:
         if p.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_json(pairs, path))
         elif p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text, path)
         else:
             raise ValueError(f"--config {path}: expected a .yaml, .yml or .json file, got {p.suffix or 'no suffix'!r}.")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from clusterlm.config.defaults import LAYER_PRESETS
+from clusterlm.config.defaults import CHAT_TEMPLATE_MODES, LAYER_PRESETS
 
-__all__ = ["dim_arg", "feature_tokens_arg", "features_arg", "fraction_arg", "int_at_least_arg", "max_length_arg",
+__all__ = ["EmptyItemError", "chat_template_arg", "comma_items", "dim_arg", "feature_tokens_arg", "features_arg", "fraction_arg", "int_at_least_arg", "max_length_arg",
            "non_negative_int_arg", "on_off_arg", "optional_fraction_arg", "positive_int_arg", "ratios_arg", "seeds_arg",
            "size_arg", "string_list_arg"]
 
@@ -56,9 +56,29 @@ def max_length_arg(value: str) -> int:
     return n
 
 
+class EmptyItemError(argparse.ArgumentTypeError, ValueError):
+    """An empty item in a comma list: an option's error to argparse, a ValueError to Python callers."""
+
+
+def comma_items(value: str, *, trailing_comma: bool = False) -> list[str]:
+    """The stripped items of a comma list; ``trailing_comma``: one comma at the end is allowed (``--seeds 5,``).
+
+    Raises:
+        EmptyItemError: an empty item (two commas in a row, a comma at the start or end, only blanks):
+            argparse names the option in front of the message.
+    """
+    parts = [v.strip() for v in str(value).split(",")]
+    if trailing_comma and len(parts) > 1 and not parts[-1]:
+        parts = parts[:-1]
+    if not all(parts):
+        raise EmptyItemError(f"{value!r} has an empty item (two commas in a row, or a comma at an end); "
+                                         "separate the items with single commas, e.g. 0,1,2")
+    return parts
+
+
 def features_arg(value: str) -> str | list[str]:
     """``--features``: a preset (lm_head, paper, all-linear, lora) or comma-separated module names."""
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    names = comma_items(value)
     if len(names) == 1 and names[0] in LAYER_PRESETS:
         return names[0]
     presets = [n for n in names if n in LAYER_PRESETS and n != "lm_head"]  # lm_head is also the head's module name
@@ -108,9 +128,11 @@ def seeds_arg(value: str) -> list[int]:
     """A bare integer is a count (``3`` -> seeds 0, 1, 2); a comma makes a list (``0,5,7``; one seed: ``5,``)."""
     try:
         if "," in value:
-            seeds = [int(v) for v in value.split(",") if v.strip()]
+            seeds = [int(v) for v in comma_items(value, trailing_comma=True)]
         else:
             seeds = list(range(int(value)))
+    except EmptyItemError:
+        raise
     except ValueError:
         seeds = []
     if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):
@@ -123,7 +145,7 @@ def seeds_arg(value: str) -> list[int]:
 
 def ratios_arg(value: str) -> list[float]:
     """``0.1,0.2,0.31,0.5``: distinct fractions in (0, 1]."""
-    ratios = [float(v) if v.strip().replace(".", "", 1).isdigit() else math.nan for v in value.split(",") if v.strip()]
+    ratios = [float(v) if v.replace(".", "", 1).isdigit() else math.nan for v in comma_items(value)]
     if not ratios or any(not 0 < r <= 1 for r in ratios) or len(set(ratios)) < len(ratios):
         raise argparse.ArgumentTypeError(
             f"expected a comma list of distinct fractions in (0, 1], e.g. 0.1,0.2,0.31,0.5, got {value!r}")
@@ -136,10 +158,14 @@ def optional_fraction_arg(value: str) -> float | None:
 
 
 def string_list_arg(value: str) -> tuple[str, ...]:
-    """``a,b,c`` -> ``("a", "b", "c")`` (blank items dropped)."""
+    """``a,b,c`` -> ``("a", "b", "c")``; a list (from a config file or Python) item by item.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty item.
+    """
     if isinstance(value, (list, tuple)):
-        return tuple(str(v).strip() for v in value if str(v).strip())
-    return tuple(v.strip() for v in str(value).split(",") if v.strip())
+        return tuple(item for v in value for item in comma_items(str(v)))
+    return tuple(comma_items(value))
 
 
 def on_off_arg(value: str) -> bool:
@@ -150,3 +176,11 @@ def on_off_arg(value: str) -> bool:
     if text in ("off", "false", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
+def chat_template_arg(value: str) -> bool | None:
+    """``--chat-template auto|on|off`` -> None / True / False (what ``load_data(chat_template=)`` takes)."""
+    text = str(value).strip().lower()
+    if text not in CHAT_TEMPLATE_MODES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CHAT_TEMPLATE_MODES)}, got {value!r}")
+    return CHAT_TEMPLATE_MODES[text]

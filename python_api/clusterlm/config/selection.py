@@ -20,36 +20,44 @@ One name per concept, from the command line to the kernel (docs/architecture.md 
 from __future__ import annotations
 
 import math
+import os
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from clusterlm.config.base import Config
 from clusterlm.config.budget import check_int, cluster_size_bound, resolve_any_budget, resolve_budget
 from clusterlm.config.defaults import (
     ALLOCATIONS,
     DEFAULT_BATCH_TOKENS,
     DEFAULT_FEATURE_TOKENS,
+    DEFAULT_MAX_LENGTH,
     LAYER_PRESETS,
     PAPER_CAP,
     PAPER_N_INIT,
     PAPER_SEED,
     WITHIN_CLUSTER,
 )
-from clusterlm.config.overrides import apply_settings
+from clusterlm.config.files import check_keys, field_value, to_dict
 from clusterlm.config.readers import (
     dim_arg,
     feature_tokens_arg,
     features_arg,
     fraction_arg,
+    max_length_arg,
     non_negative_int_arg,
     on_off_arg,
     positive_int_arg,
     size_arg,
 )
 
+SELECT_CONFIG = "select_config.yaml"  # in OUT: the resolved job (clusterlm select --config reads it back)
+
 __all__ = [
+    "SELECT_CONFIG",
     "CLUSTERINGS",
     "DEFAULT_BATCH_TOKENS",
     "PRESETS",
@@ -57,6 +65,8 @@ __all__ = [
     "Preset",
     "ResolvedSelection",
     "SelectConfig",
+    "SelectJob",
+    "paper_percentage",
     "resolve_feature_tokens",
     "resolve_seed",
 ]
@@ -284,7 +294,7 @@ class ResolvedSelection:
 
 
 @dataclass(frozen=True)
-class SelectConfig:
+class SelectConfig(Config):
     """Every setting of a selection (:func:`clusterlm.select`), with the defaults of the ``"default"`` preset.
 
     Attributes:
@@ -340,13 +350,7 @@ class SelectConfig:
     kmeans_backend: str = field(default="auto", metadata={"choices": ("auto", "cpu", "cuda", "torch")})
     batch_tokens: int | None = field(default=None, metadata={"parse": positive_int_arg})
 
-    def replace(self, **overrides: Any) -> SelectConfig:
-        """A copy with ``overrides`` applied.
-
-        Raises:
-            TypeError: a name that is not a setting (the message lists the settings).
-        """
-        return apply_settings(SelectConfig, self, overrides, "select")
+    OWNER: ClassVar[str] = "select"
 
     def check(self) -> None:
         """Every check that needs no data, before a model or data set is loaded.
@@ -494,3 +498,81 @@ def check_lengths(lengths: Any, n: int) -> np.ndarray:
     if lengths.shape != (n,):
         raise ValueError(f"select: lengths must have shape ({n},) like the features' rows, got {lengths.shape}.")
     return lengths
+
+
+@dataclass(frozen=True)
+class SelectJob(Config):
+    """One selection run: inputs, outputs and the selection settings.
+
+    Attributes:
+        model: built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, a local
+            Hugging Face directory or a cached hub id.
+        data: the training data file (.jsonl / .json / .parquet with prompt/response, instruction/input/output or
+            messages columns).
+        out: directory for plan.json, plan.npz, report.png, select_config.yaml (and features/).
+        config: the selection settings (their options are SelectConfig's fields).
+        max_length: truncate examples to this many tokens.
+        chat_template: render prompt/response data through the tokenizer's chat template (auto: when it has one).
+        feature_store: keep the features there instead of OUT/features (resumable).
+        progress: progress bars and stage lines (--no-progress: none).
+        device: where the model and the features run: auto (CUDA when present, cuda:LOCAL_RANK under torchrun),
+            cpu, cuda, cuda:N.
+        dtype: the weights' dtype, loaded straight onto the device: auto (bfloat16 on a CUDA device that supports
+            it, else float32), float32, bfloat16, float16.
+        nproc: selection processes on this machine (torch.distributed.run; sharded features and distributed
+            K-means; the plan is the same as with 1).
+        max_restarts: with nproc > 1, restart every process after one fails, up to N times; the restarted run
+            keeps the feature shards already stored and gives the same plan (torchrun's elastic agent).
+        dist_timeout: seconds a collective may wait for the other processes before the run fails (default: torch's
+            30 minutes).
+        debug: the ranks of a spawned run print tracebacks too.
+    """
+
+    model: str | None = None
+    data: str | None = None
+    out: str | os.PathLike | None = field(default=None, metadata={"parse": str})
+    config: SelectConfig = field(default_factory=SelectConfig, metadata={"cli": False})
+    max_length: int = field(default=DEFAULT_MAX_LENGTH, metadata={"parse": max_length_arg})
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    feature_store: str | None = None
+    progress: bool = True
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    nproc: int = field(default=1, metadata={"parse": positive_int_arg})
+    max_restarts: int = field(default=0, metadata={"parse": non_negative_int_arg})
+    dist_timeout: float | None = None
+    debug: bool = field(default=False, metadata={"cli": False})
+
+    COMMAND: ClassVar[str] = "select"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, flat: the job's fields and the selection settings side by side (what select_config.yaml
+        holds; ``debug`` is left out)."""
+        job = {k: v for k, v in to_dict(self).items() if k not in ("config", "debug")}
+        return {**job, **to_dict(self.config)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "SelectJob") -> SelectJob:
+        """The job of a flat mapping (job fields and SelectConfig fields; an unknown name is refused, naming the
+        closest field)."""
+        job_names = {f.name for f in fields(cls)} - {"config"}
+        job = {k: v for k, v in data.items() if k in job_names}
+        settings = {k: v for k, v in data.items() if k not in job_names}
+        check_keys(settings, SelectConfig, where)
+        hints = typing.get_type_hints(SelectConfig)
+        settings = {k: field_value(hints[k], v) for k, v in settings.items()}
+        return cls(**job, config=SelectConfig(**settings))
+
+    def check(self) -> None:
+        """The job's required fields and every selection setting (:meth:`SelectConfig.check`); no data needed.
+
+        Raises:
+            ValueError / TypeError: a missing --model/--data/--out, or a bad setting (named).
+        """
+        missing = [f"--{n}" for n in ("model", "data", "out") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"select: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an "
+                             "option, or a field of the --config file).")
+        if not isinstance(self.config, SelectConfig):
+            raise TypeError(f"select: config must be a SelectConfig, got {type(self.config).__name__}.")
+        self.config.check()

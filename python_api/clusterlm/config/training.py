@@ -8,47 +8,56 @@ reads it back). :meth:`TrainConfig.check` refuses what cannot train before anyth
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from clusterlm.config.base import Config
 from clusterlm.config.defaults import LATEST
-from clusterlm.config.files import ConfigFile
+from clusterlm.config.files import field_help
 from clusterlm.config.readers import non_negative_int_arg, positive_int_arg, string_list_arg
 
-__all__ = ["LATEST", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
+__all__ = ["LATEST", "REPORT_INSTALL", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
 
 TRAIN_CONFIG = "train_config.yaml"  # the resolved config, next to the run's outputs
 REPORT_TO = ("none", "tensorboard", "wandb")
+# report_to -> (the module it needs, what installs it)
+REPORT_INSTALL = {
+    "tensorboard": ("tensorboard", "pip install tensorboard  (or: pip install 'cluster-kernels[tensorboard]')"),
+    "wandb": ("wandb", "pip install wandb  (or: pip install 'cluster-kernels[wandb]')"),
+}
 # Half the relative spacing of representable values: smaller relative updates round to no change.
 WEIGHT_DTYPE_RESOLUTION = {"bfloat16": "2^-8 (0.4 %)", "float16": "2^-11 (0.05 %)"}
 
-_WHAT, _PROC, _SCHED, _MODEL, _LOG = ("what to train", "processes", "schedule", "model",
-                                       "evaluation, checkpoints, logging")
-# Numeric settings: (name, low, high, low allowed, high allowed, what it is); high inf = any finite value.
-_RANGES = (
-    ("lr", 0.0, math.inf, False, False, "the peak learning rate"),
-    ("warmup_ratio", 0.0, 1.0, True, False, "warm-up as a fraction of all steps"),
-    ("min_lr_ratio", 0.0, 1.0, True, True, "the final learning rate over the peak"),
-    ("beta1", 0.0, 1.0, True, False, "AdamW's first-moment decay"),
-    ("beta2", 0.0, 1.0, True, False, "AdamW's second-moment decay"),
-    ("weight_decay", 0.0, math.inf, True, False, "decoupled weight decay"),
-    ("max_grad_norm", 0.0, math.inf, True, False, "gradient clipping, 0 turns it off"),
-    ("lora_dropout", 0.0, 1.0, True, False, "dropout of the LoRA inputs"),
-    ("preemption_grace", 0.0, math.inf, True, False, "seconds to checkpoint after a preemption signal"),
-)
-
-def _opt(group: str, default: Any = None, **meta: Any) -> Any:
-    return field(default=default, metadata={"group": group, **meta})
+# The --help sections of the options
+WHAT, PROC, SCHED, MODEL, LOG = ("what to train", "processes", "schedule", "model", "evaluation, checkpoints, logging")
+# Ranges of numeric settings (low, high, low allowed, high allowed), checked by TrainConfig.check
+POSITIVE = (0.0, math.inf, False, False)
+NON_NEGATIVE = (0.0, math.inf, True, False)
+FRACTION = (0.0, 1.0, True, False)
+CLOSED_FRACTION = (0.0, 1.0, True, True)
 
 
-def _int(group: str, default: int | None, low: int, **meta: Any) -> Any:
-    # ``low``: the least value, read by the option's reader and by TrainConfig.check (for values set in Python)
-    return _opt(group, default, parse=positive_int_arg if low == 1 else non_negative_int_arg, low=low, **meta)
+def meta(group: str, *, low: int | None = None, bounds: tuple | None = None, per_run: bool = False,
+         **cli: Any) -> dict[str, Any]:
+    """A field's metadata: its ``--help`` section, the least value of an int (read by its option's reader and by
+    :meth:`TrainConfig.check`), the range of a float, whether it names one run rather than how to train
+    (``per_run``: compare sets it per unit), and argparse details (``aliases``, ``nargs``, ``const``,
+    ``metavar``, ``parse``)."""
+    out: dict[str, Any] = {"group": group, **cli}
+    if low is not None:
+        out.update(low=low, parse=positive_int_arg if low == 1 else non_negative_int_arg)
+    if bounds is not None:
+        out["bounds"] = bounds
+    if per_run:
+        out["per_run"] = True
+    return out
 
 
 @dataclass(frozen=True)
-class TrainConfig(ConfigFile):
+class TrainConfig(Config):
     """Every setting of ``clusterlm train`` (:func:`clusterlm.train`); the command-line options are these fields.
 
     Attributes:
@@ -118,60 +127,63 @@ class TrainConfig(ConfigFile):
             for several; OUT/tensorboard, or a W&B run named after OUT).
     """
 
-    plan: str | None = _opt(_WHAT)
-    model: str | None = _opt(_WHAT)
-    data: str | None = _opt(_WHAT)
-    out: str | None = _opt(_WHAT)
-    allow_other_model: bool = _opt(_WHAT, False)
-    eval_data: str | None = _opt(_WHAT)
-    chat_template: Literal["auto", "on", "off"] = _opt(_WHAT, "auto")
-    max_length: int | None = _int(_WHAT, None, 1)
-    nproc: int | None = _int(_PROC, None, 1)
-    nnodes: int = _int(_PROC, 1, 1)
-    rdzv_endpoint: str | None = _opt(_PROC)
-    rdzv_id: str = _opt(_PROC, "clusterlm")
-    device: Literal["auto", "cpu", "cuda"] = _opt(_PROC, "auto")
-    threads: int | None = _int(_PROC, None, 1)
-    max_restarts: int = _int(_PROC, 0, 0)
-    dist_timeout: float | None = _opt(_PROC)
-    preemption_grace: float = _opt(_PROC, 60.0)
-    epochs: int = _int(_SCHED, 1, 1)
-    max_steps: int | None = _int(_SCHED, None, 1)
-    micro_batch_size: int = _int(_SCHED, 4, 1)
-    grad_accum: int = _int(_SCHED, 1, 1)
-    lr: float = _opt(_SCHED, 2e-5)
-    lr_schedule: Literal["cosine", "linear", "constant"] = _opt(_SCHED, "cosine")
-    warmup_steps: int | None = _int(_SCHED, None, 0)
-    warmup_ratio: float = _opt(_SCHED, 0.0)
-    min_lr_ratio: float = _opt(_SCHED, 0.0)
-    optimizer: Literal["adamw", "adafactor"] = _opt(_SCHED, "adamw")
-    weight_decay: float = _opt(_SCHED, 0.0)
-    beta1: float = _opt(_SCHED, 0.9)
-    beta2: float = _opt(_SCHED, 0.999)
-    max_grad_norm: float = _opt(_SCHED, 1.0)
-    seed: int = _int(_SCHED, 0, 0)
-    epoch_shuffle: bool = _opt(_SCHED, True)
-    bf16: Literal["auto", "on", "off"] = _opt(_MODEL, "auto")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(_MODEL, "auto", aliases=["--model-dtype"])
-    gradient_checkpointing: bool = _opt(_MODEL, False)
-    fsdp: bool = _opt(_MODEL, False)
-    lora_r: int = _int(_MODEL, 0, 0)
-    lora_alpha: float | None = _opt(_MODEL)
-    lora_dropout: float = _opt(_MODEL, 0.0)
-    lora_targets: str = _opt(_MODEL, "all-linear")
-    deterministic: Literal["auto", "on", "off"] = _opt(_MODEL, "auto")
-    eval_every: int = _int(_LOG, 0, 0)
-    initial_eval: bool = _opt(_LOG, True)
-    eval_batch_size: int = _int(_LOG, 8, 1)
-    eval_max_examples: int | None = _int(_LOG, None, 1)
-    save_every: int = _int(_LOG, 0, 0)
-    keep_checkpoints: int = _int(_LOG, 2, 1)
-    resume: str | None = _opt(_LOG, nargs="?", const=LATEST, metavar="CHECKPOINT")
-    overwrite: bool = _opt(_LOG, False)
-    save_model: bool = _opt(_LOG, True)
-    log_every: int = _int(_LOG, 10, 1)
-    progress: bool = _opt(_LOG, True)
-    report_to: tuple[str, ...] = _opt(_LOG, (), parse=string_list_arg, metavar="none|tensorboard|wandb")
+    plan: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
+    model: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
+    data: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
+    out: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
+    allow_other_model: bool = field(default=False, metadata=meta(WHAT, per_run=True))
+    eval_data: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
+    chat_template: Literal["auto", "on", "off"] = field(default="auto", metadata=meta(WHAT))
+    max_length: int | None = field(default=None, metadata=meta(WHAT, low=1))
+    nproc: int | None = field(default=None, metadata=meta(PROC, low=1, per_run=True))
+    nnodes: int = field(default=1, metadata=meta(PROC, low=1, per_run=True))
+    rdzv_endpoint: str | None = field(default=None, metadata=meta(PROC, per_run=True))
+    rdzv_id: str = field(default="clusterlm", metadata=meta(PROC, per_run=True))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=meta(PROC))
+    threads: int | None = field(default=None, metadata=meta(PROC, low=1))
+    max_restarts: int = field(default=0, metadata=meta(PROC, low=0))
+    dist_timeout: float | None = field(default=None, metadata=meta(PROC))
+    preemption_grace: float = field(default=60.0, metadata=meta(PROC, bounds=NON_NEGATIVE))
+    epochs: int = field(default=1, metadata=meta(SCHED, low=1))
+    max_steps: int | None = field(default=None, metadata=meta(SCHED, low=1))
+    micro_batch_size: int = field(default=4, metadata=meta(SCHED, low=1))
+    grad_accum: int = field(default=1, metadata=meta(SCHED, low=1))
+    lr: float = field(default=2e-5, metadata=meta(SCHED, bounds=POSITIVE))
+    lr_schedule: Literal["cosine", "linear", "constant"] = field(default="cosine", metadata=meta(SCHED))
+    warmup_steps: int | None = field(default=None, metadata=meta(SCHED, low=0))
+    warmup_ratio: float = field(default=0.0, metadata=meta(SCHED, bounds=FRACTION))
+    min_lr_ratio: float = field(default=0.0, metadata=meta(SCHED, bounds=CLOSED_FRACTION))
+    optimizer: Literal["adamw", "adafactor"] = field(default="adamw", metadata=meta(SCHED))
+    weight_decay: float = field(default=0.0, metadata=meta(SCHED, bounds=NON_NEGATIVE))
+    beta1: float = field(default=0.9, metadata=meta(SCHED, bounds=FRACTION))
+    beta2: float = field(default=0.999, metadata=meta(SCHED, bounds=FRACTION))
+    max_grad_norm: float = field(default=1.0, metadata=meta(SCHED, bounds=NON_NEGATIVE))
+    seed: int = field(default=0, metadata=meta(SCHED, low=0, per_run=True))
+    epoch_shuffle: bool = field(default=True, metadata=meta(SCHED))
+    bf16: Literal["auto", "on", "off"] = field(default="auto", metadata=meta(MODEL))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata=meta(MODEL, per_run=True, aliases=["--model-dtype"]))
+    gradient_checkpointing: bool = field(default=False, metadata=meta(MODEL))
+    fsdp: bool = field(default=False, metadata=meta(MODEL))
+    lora_r: int = field(default=0, metadata=meta(MODEL, low=0))
+    lora_alpha: float | None = field(default=None, metadata=meta(MODEL))
+    lora_dropout: float = field(default=0.0, metadata=meta(MODEL, bounds=FRACTION))
+    lora_targets: str = field(default="all-linear", metadata=meta(MODEL))
+    deterministic: Literal["auto", "on", "off"] = field(default="auto", metadata=meta(MODEL))
+    eval_every: int = field(default=0, metadata=meta(LOG, low=0))
+    initial_eval: bool = field(default=True, metadata=meta(LOG, per_run=True))
+    eval_batch_size: int = field(default=8, metadata=meta(LOG, low=1))
+    eval_max_examples: int | None = field(default=None, metadata=meta(LOG, low=1))
+    save_every: int = field(default=0, metadata=meta(LOG, low=0))
+    keep_checkpoints: int = field(default=2, metadata=meta(LOG, low=1, per_run=True))
+    resume: str | None = field(
+        default=None, metadata=meta(LOG, per_run=True, nargs="?", const=LATEST, metavar="CHECKPOINT"))
+    overwrite: bool = field(default=False, metadata=meta(LOG, per_run=True))
+    save_model: bool = field(default=True, metadata=meta(LOG, per_run=True))
+    log_every: int = field(default=10, metadata=meta(LOG, low=1))
+    progress: bool = field(default=True, metadata=meta(LOG))
+    report_to: tuple[str, ...] = field(
+        default=(), metadata=meta(LOG, metavar="none|tensorboard|wandb", parse=string_list_arg))
 
     COMMAND: ClassVar[str] = "train"
 
@@ -189,16 +201,21 @@ class TrainConfig(ConfigFile):
             ValueError: a missing plan/model/data/out, a number out of range (lr not > 0, a ratio outside [0, 1),
                 a beta outside [0, 1), negative decay or clipping, lora_alpha not > 0, ...), LoRA without target
                 modules, an unknown report_to, dtype bfloat16/float16 without LoRA (full fine-tuning of
-                low-precision weights).
+                low-precision weights), fsdp with fewer than 2 processes.
             TypeError: a setting of the wrong type.
+            ImportError: report_to names a package that is not installed (the message names its install).
         """
         missing = [f"--{n.replace('_', '-')}" for n in ("plan", "model", "data", "out") if getattr(self, n) is None]
         if missing:
             raise ValueError(f"train: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an option, "
                              "or a field of the --config file).")
         self._check_types()
-        for name, low, high, low_ok, high_ok, what in _RANGES:
-            value = getattr(self, name)
+        helps = field_help(TrainConfig)
+        for f in dataclasses.fields(self):
+            if "bounds" not in f.metadata:
+                continue
+            name, value, (low, high, low_ok, high_ok) = f.name, getattr(self, f.name), f.metadata["bounds"]
+            what = helps.get(name, name).rstrip(".")
             inside = (value >= low if low_ok else value > low) and (value <= high if high_ok else value < high)
             if not (math.isfinite(value) and inside):
                 bounds = [f"{'>=' if low_ok else '>'} {low:g}", "finite" if math.isinf(high) else
@@ -210,10 +227,8 @@ class TrainConfig(ConfigFile):
             raise ValueError(f"train: --dist-timeout {self.dist_timeout!r} is out of range: it must be > 0 seconds "
                              "(or unset: torch's default of 30 minutes).")
         self._check_lora()
-        bad = [r for r in self.report_to if r not in REPORT_TO]
-        if bad or ("none" in self.report_to and len(self.report_to) > 1):
-            raise ValueError(f"train: --report-to {','.join(self.report_to)}: expected none, or one or more of "
-                             "tensorboard, wandb (comma-separated).")
+        self._check_report_to()
+        self._check_fsdp()
         if self.dtype in WEIGHT_DTYPE_RESOLUTION and not self.lora_r:
             raise ValueError(
                 f"train: --dtype {self.dtype} without LoRA trains the weights themselves in {self.dtype}, where an "
@@ -235,10 +250,27 @@ class TrainConfig(ConfigFile):
             if value < low:
                 raise ValueError(f"train: --{name.replace('_', '-')} {value!r} is out of range: it must be an int "
                                  f">= {low}.")
-        for name, *_ in _RANGES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"train: {name} must be a number, got {value!r}.")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "bounds" in f.metadata and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"train: {f.name} must be a number, got {value!r}.")
+
+    def _check_report_to(self) -> None:
+        bad = [r for r in self.report_to if r not in REPORT_TO]
+        if bad or ("none" in self.report_to and len(self.report_to) > 1):
+            raise ValueError(f"train: --report-to {','.join(self.report_to)}: expected none, or one or more of "
+                             "tensorboard, wandb (comma-separated).")
+        for name in self.report_to:
+            if name in REPORT_INSTALL and importlib.util.find_spec(REPORT_INSTALL[name][0]) is None:
+                raise ImportError(f"train: --report-to {name} needs the {REPORT_INSTALL[name][0]} package, which is "
+                                  f"not installed; install it with: {REPORT_INSTALL[name][1]}")
+
+    def _check_fsdp(self) -> None:
+        # under torchrun the processes are torchrun's (WORLD_SIZE); otherwise the ones this run starts
+        world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else (self.nproc or 1) * self.nnodes
+        if self.fsdp and world < 2:
+            raise ValueError("train: --fsdp shards the model over the ranks and needs at least 2 processes (--nproc "
+                             "2, or torchrun); one process trains the whole model anyway: drop --fsdp.")
 
     def _check_lora(self) -> None:
         if not self.lora_r:

@@ -15,14 +15,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from clusterlm.config.defaults import CHAT_TEMPLATE_MODES
+
 __all__ = [
     "CHAT_TEMPLATE_MODES", "FORMATS", "RawData", "detect_format", "is_conversational", "refuse_all_empty",
     "source_line", "warn_skipped",
 ]
 
 FORMATS = ("prompt-response", "prompt-completion", "alpaca", "chat", "tokenized")
-# The command lines' --chat-template values -> load_data(chat_template=...).
-CHAT_TEMPLATE_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 _ACCEPTED = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
+from clusterlm.config.defaults import DEFAULT_MAX_LENGTH
 from clusterlm.data.dataset import SFTDataset, example_pair
 from clusterlm.data.formats import RawData, detect_format, refuse_all_empty, source_line, warn_skipped
 from clusterlm.data.sources import read_source
@@ -13,7 +14,6 @@ from clusterlm.data.tokens import tokenize_text
 
 __all__ = ["DEFAULT_MAX_LENGTH", "load_data", "read_data"]
 
-DEFAULT_MAX_LENGTH = 1024  # tokens per example (select, train and compare truncate to this by default)
 
 
 def load_data(

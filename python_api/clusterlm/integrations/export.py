@@ -43,13 +43,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from clusterlm.config.overrides import apply_settings
+from clusterlm.config.export import ExportConfig
 from clusterlm.data import DEFAULT_MAX_LENGTH, SFTDataset, load_data, read_columns
 from clusterlm.fileio import atomic_write_json
 from clusterlm.models import load_model
@@ -62,44 +61,6 @@ __all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "ExportConfig", "as_hf_dataset", "
 EXPORT_FORMAT = "clusterlm.integrations.export"
 # Columns added to every exported row (besides the weight column).
 EXPORT_COLUMNS = ("plan_index", "plan_rank", "plan_epoch", "plan_position")
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """The settings of an export; :func:`export_order`, :func:`plan_to_dataset`, :func:`save_export` read theirs.
-
-    :func:`export_files` (``clusterlm export``) reads them all.
-
-    Attributes:
-        batch_size: per-device batch size B of the consuming trainer (1 for ``DistributedSampler``).
-        epochs: epochs written back to back.
-        seed: the plan sampler's seed (``PlanSampler(plan, r, seed=seed)``).
-        shuffle: reshuffle every epoch like the plan sampler; False repeats the plan order.
-        drop_last: drop each rank's last ``m mod B`` examples per epoch instead of refusing.
-        weight_column: name of the weight column.
-        split: the split of a ``DatasetDict`` source.
-        max_length / chat_template: tokenisation options of :func:`export_files` with ``model`` (as for
-            :func:`clusterlm.load_data`); ``max_length`` None: the one the plan records (``plan.config["data"]``),
-            else :data:`clusterlm.data.DEFAULT_MAX_LENGTH`.
-    """
-
-    batch_size: int = 1
-    epochs: int = 1
-    seed: int = 0
-    shuffle: bool = True
-    drop_last: bool = False
-    weight_column: str = "weight"
-
-    def replace(self, **overrides: Any) -> ExportConfig:
-        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
-        return apply_settings(ExportConfig, self, overrides, "plan export")
-    split: str | None = None
-    max_length: int | None = None
-    chat_template: bool | None = None
-
-
-def _settings(config: ExportConfig | None, overrides: dict[str, Any]) -> ExportConfig:
-    return apply_settings(ExportConfig, config, overrides, "plan export")
 
 
 def _positive(value: Any, name: str) -> int:
@@ -124,7 +85,7 @@ def export_order(plan: Plan, config: ExportConfig | None = None, **overrides: An
         ValueError: non-positive batch_size/epochs, or m not a multiple of B without ``drop_last``.
         TypeError: an unknown setting.
     """
-    c = _settings(config, overrides)
+    c = ExportConfig.merged(config, overrides)
     b, n_epochs, drop_last = _positive(c.batch_size, "batch_size"), _positive(c.epochs, "epochs"), c.drop_last
     k, m = plan.world_size, plan.per_rank
     used = m - m % b
@@ -213,7 +174,7 @@ def plan_to_dataset(plan: Plan, dataset: Any, config: ExportConfig | None = None
             layout (see :func:`export_order`).
         TypeError: an unknown setting.
     """
-    c = _settings(config, overrides)
+    c = ExportConfig.merged(config, overrides)
     weight_column = c.weight_column
     ds = as_hf_dataset(dataset, c.split)
     _check_source(plan, ds, verify)
@@ -251,7 +212,7 @@ def save_export(dataset: Any, out_dir: str | os.PathLike, config: ExportConfig |
     Raises:
         TypeError: an unknown setting.
     """
-    c = _settings(config, overrides)
+    c = ExportConfig.merged(config, overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"dataset": out / "dataset", "jsonl": out / "train.jsonl", "manifest": out / "export.json"}
@@ -301,7 +262,7 @@ def export_files(plan_dir: str | os.PathLike, data: Any, out_dir: str | os.PathL
     """
     import datasets
 
-    c = _settings(config, overrides)
+    c = ExportConfig.merged(config, overrides)
     plan = Plan.load(plan_dir)
     source: Any = data
     if model is not None:

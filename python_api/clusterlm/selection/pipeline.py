@@ -30,17 +30,13 @@ import os
 import shutil
 import tempfile
 import time
-import typing
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import numpy as np
 
-from clusterlm.config.files import ConfigFile, check_keys, field_value, to_dict
-from clusterlm.config.readers import max_length_arg, non_negative_int_arg, positive_int_arg
-from clusterlm.config.selection import ResolvedSelection, SelectConfig
-from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data, read_data
+from clusterlm.config.selection import SELECT_CONFIG, ResolvedSelection, SelectJob
+from clusterlm.data import CHAT_TEMPLATE_MODES, load_data, read_data
 from clusterlm.fileio import atomic_write_json, storage_errno, storage_error
 from clusterlm.launch.failures import removed_if_empty
 from clusterlm.launch.launcher import (
@@ -61,71 +57,6 @@ from clusterlm.selection.store import FeatureStore
 __all__ = ["SELECT_CONFIG", "STORE_KEY", "SelectJob", "SpawnFailed", "check_job", "run_select", "writable_dir"]
 
 STORE_KEY = "clusterlm_select.json"  # in OUT/features: what the features there were computed from
-SELECT_CONFIG = "select_config.yaml"  # in OUT: the resolved job (clusterlm select --config reads it back)
-
-
-@dataclass(frozen=True)
-class SelectJob(ConfigFile):
-    """One selection run: inputs, outputs and the selection settings.
-
-    Attributes:
-        model: built-in name (tiny-llama, tiny-llama-pretrained, smollm2-135m-instruct), a .gguf file, a local
-            Hugging Face directory or a cached hub id.
-        data: the training data file (.jsonl / .json / .parquet with prompt/response, instruction/input/output or
-            messages columns).
-        out: directory for plan.json, plan.npz, report.png, select_config.yaml (and features/).
-        config: the selection settings (their options are SelectConfig's fields).
-        max_length: truncate examples to this many tokens.
-        chat_template: render prompt/response data through the tokenizer's chat template (auto: when it has one).
-        feature_store: keep the features there instead of OUT/features (resumable).
-        progress: progress bars and stage lines (--no-progress: none).
-        device: where the model and the features run: auto (CUDA when present, cuda:LOCAL_RANK under torchrun),
-            cpu, cuda, cuda:N.
-        dtype: the weights' dtype, loaded straight onto the device: auto (bfloat16 on a CUDA device that supports
-            it, else float32), float32, bfloat16, float16.
-        nproc: selection processes on this machine (torch.distributed.run; sharded features and distributed
-            K-means; the plan is the same as with 1).
-        max_restarts: with nproc > 1, restart every process after one fails, up to N times; the restarted run
-            keeps the feature shards already stored and gives the same plan (torchrun's elastic agent).
-        dist_timeout: seconds a collective may wait for the other processes before the run fails (default: torch's
-            30 minutes).
-        debug: the ranks of a spawned run print tracebacks too.
-    """
-
-    model: str | None = None
-    data: str | None = None
-    out: str | os.PathLike | None = field(default=None, metadata={"parse": str})
-    config: SelectConfig = field(default_factory=SelectConfig, metadata={"cli": False})
-    max_length: int = field(default=DEFAULT_MAX_LENGTH, metadata={"parse": max_length_arg})
-    chat_template: Literal["auto", "on", "off"] = "auto"
-    feature_store: str | None = None
-    progress: bool = True
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    nproc: int = field(default=1, metadata={"parse": positive_int_arg})
-    max_restarts: int = field(default=0, metadata={"parse": non_negative_int_arg})
-    dist_timeout: float | None = None
-    debug: bool = field(default=False, metadata={"cli": False})
-
-    COMMAND: ClassVar[str] = "select"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, flat: the job's fields and the selection settings side by side (what select_config.yaml
-        holds; ``debug`` is left out)."""
-        job = {k: v for k, v in to_dict(self).items() if k not in ("config", "debug")}
-        return {**job, **to_dict(self.config)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "SelectJob") -> SelectJob:
-        """The job of a flat mapping (job fields and SelectConfig fields; an unknown name is refused, naming the
-        closest field)."""
-        job_names = {f.name for f in fields(cls)} - {"config"}
-        job = {k: v for k, v in data.items() if k in job_names}
-        settings = {k: v for k, v in data.items() if k not in job_names}
-        check_keys(settings, SelectConfig, where)
-        hints = typing.get_type_hints(SelectConfig)
-        settings = {k: field_value(hints[k], v) for k, v in settings.items()}
-        return cls(**job, config=SelectConfig(**settings))
 
 
 def writable_dir(path: str | os.PathLike, option: str) -> Path:
@@ -164,11 +95,7 @@ def check_job(job: SelectJob) -> None:
     Raises:
         ValueError / TypeError: a bad setting (named); FileNotFoundError: no such data file.
     """
-    missing = [f"--{n}" for n in ("model", "data", "out") if getattr(job, n) is None]
-    if missing:
-        raise ValueError(f"select: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (an option, or "
-                         "a field of the --config file).")
-    job.config.check()
+    job.check()
     resolve_device(job.device)  # --device cuda without CUDA: one line now, never a silent CPU run
     if isinstance(job.data, (str, os.PathLike)) and not Path(job.data).expanduser().exists():
         raise FileNotFoundError(f"select: --data {job.data}: no such file or directory.")

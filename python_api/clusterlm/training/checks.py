@@ -27,7 +27,7 @@ from clusterlm.plan import Plan
 from clusterlm.plan.fileformat import plan_dir_hint, read_plan_meta
 from clusterlm.training.metrics import METRICS, SUMMARY
 
-__all__ = ["PlanBuilder", "baseline", "check_checkpoint_kind", "check_fsdp", "check_inputs", "check_out_dir",
+__all__ = ["PlanBuilder", "baseline", "check_checkpoint_kind", "check_inputs", "check_out_dir",
            "check_out_location", "check_unlocked", "load_eval_data", "load_plan", "lock_out", "max_length_of",
            "plan_digest", "plan_world_size", "setup_distributed", "uses_fsdp", "verify_plan", "world_size_error"]
 
@@ -89,7 +89,8 @@ def check_inputs(config: TrainConfig, *, plan_dir: bool) -> None:
     Raises:
         FileNotFoundError: no ``--data`` / ``--eval-data`` / ``--resume`` checkpoint, no plan in ``--plan``.
         ValueError: ``--out`` is a file, lies under a file, or is not writable (:func:`check_out_location`); the
-            checkpoint to resume is a DDP one with ``--fsdp`` or a sharded one without (:func:`check_checkpoint_kind`).
+            checkpoint to resume is a DDP one with ``--fsdp`` or a sharded one without (:func:`check_checkpoint_kind`);
+            with ``--fsdp``, a model whose decoder blocks cannot be found (:func:`clusterlm.engine.fsdp.check_blocks`).
     """
     for flag, value in (("--data", getattr(config, "data", None)), ("--eval-data", getattr(config, "eval_data", None))):
         if isinstance(value, (str, os.PathLike)) and value and not Path(value).exists():
@@ -105,6 +106,8 @@ def check_inputs(config: TrainConfig, *, plan_dir: bool) -> None:
         found = find_checkpoint(config.out, resume_from)  # FileNotFoundError for a --resume PATH that is none
         if found is not None:
             check_checkpoint_kind(found, fsdp=uses_fsdp(config))
+    if uses_fsdp(config) and config.model not in BUILTIN_MODELS and config.model not in GGUF_MODELS:
+        check_blocks(config.model)  # decoder blocks the sharding can find, from the model's config file
     check_out_location(Path(config.out))
 
 
@@ -127,22 +130,6 @@ def check_checkpoint_kind(path: Path, *, fsdp: bool) -> None:
     if kind == "fsdp" and not fsdp:
         raise ValueError(f"train: --resume {path} is a sharded FSDP checkpoint (a directory) but this run has no "
                          "--fsdp; resume it with --fsdp, or start afresh with --overwrite.")
-
-
-def check_fsdp(config: TrainConfig, world_size: int) -> None:
-    """The --fsdp checks that need no model: 2 processes or more, and decoder blocks the sharding can find
-    (:func:`clusterlm.engine.fsdp.check_blocks`, on the model's config); nothing without --fsdp.
-
-    Raises:
-        ValueError: one process, or a model whose blocks cannot be found (naming the attribute looked at).
-    """
-    if not uses_fsdp(config):
-        return
-    if config.model not in BUILTIN_MODELS and config.model not in GGUF_MODELS:
-        check_blocks(config.model)
-    if world_size < 2:
-        raise ValueError("train: --fsdp shards the model over the ranks and needs at least 2 processes (--nproc 2, "
-                         "or torchrun); one process trains the whole model anyway: drop --fsdp.")
 
 
 def check_out_location(out: Path) -> None:

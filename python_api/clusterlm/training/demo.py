@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clusterlm.config.demo import DemoConfig
 from clusterlm.config.selection import SelectConfig
 from clusterlm.config.training import TrainConfig
 from clusterlm.data.demo import demo_data
@@ -20,24 +21,27 @@ from clusterlm.launch.launcher import SpawnFailed
 from clusterlm.selection.pipeline import SelectJob, run_select
 from clusterlm.training.run import train
 
-__all__ = ["DEMO_OUT", "run_demo", "train_demo"]
-
-DEMO_OUT = "runs/demo"
+__all__ = ["run_demo", "train_demo"]
 
 
-def run_demo(out: str | os.PathLike = DEMO_OUT, *, world_size: int = 2, ratio: float = 0.31, seed: int = 0,
-             train_steps: int = 40, progress: bool = True) -> None:
-    """Select on the built-in data for ``world_size`` ranks at ``ratio``, then train ``train_steps`` steps.
+
+def run_demo(config: DemoConfig | None = None) -> None:
+    """Select on the built-in data for ``config.world_size`` ranks at ``config.ratio``, then train
+    ``config.train_steps`` steps.
 
     Writes ``OUT/plan`` (plan, report) and ``OUT/train`` (metrics, curve); prints where.
 
     Raises:
+        TypeError: ``config`` is not a :class:`DemoConfig`.
         RuntimeError: the training processes failed.
     """
+    config = DemoConfig.merged(config, {})
+    config.check()
+    out, world_size, ratio, seed = Path(config.out), config.world_size, config.ratio, config.seed
+    train_steps, progress = config.train_steps, config.progress
     t0 = time.perf_counter()
     demo = demo_data()
     print(f"built-in data set: {demo.train} (held-out: {demo.heldout})")
-    out = Path(out)
     run_select(SelectJob(model="tiny-llama", data=str(demo.train), out=out / "plan", progress=progress,
                          config=SelectConfig(world_size=world_size, ratio=ratio, seed=seed)))
     t_select = time.perf_counter() - t0

@@ -65,8 +65,6 @@ from clusterlm.plan.sampler import PlanSampler
 from clusterlm.training.checks import (
     PlanBuilder,
     baseline,
-    check_fsdp,
-    check_inputs,
     check_out_dir,
     load_eval_data,
     load_plan,
@@ -163,13 +161,10 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     exit_with_supervisor()  # a rank of a launcher that is gone must not train on
     if restart_count() and config.resume is None:  # torchrun restarted the ranks (--max-restarts): continue
         config = config.replace(resume=LATEST)
-    config.check()
-    check_inputs(config, plan_dir=build_plan is None)
     plan_ws = plan_world_size(config.plan) if build_plan is None else None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if plan_ws is not None and plan_ws != world_size:  # before any process group or model is made
         raise world_size_error(plan_ws, world_size, "torchrun" if under_torchrun() else "a single process")
-    check_fsdp(config, world_size)
     lock = lock_out(Path(config.out)) if int(os.environ.get("RANK", "0")) == 0 else None
     # Process-wide torch settings this function changes; restored at the end (train may run inside a caller).
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),

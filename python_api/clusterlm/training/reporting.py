@@ -4,7 +4,7 @@ As in Hugging Face's ``TrainingArguments.report_to``: ``"tensorboard"`` writes e
 with :class:`torch.utils.tensorboard.SummaryWriter`; ``"wandb"`` logs to a W&B run named after OUT (``WANDB_MODE``,
 ``WANDB_PROJECT`` and the other ``WANDB_*`` variables apply: ``WANDB_MODE=offline`` needs no network). Both
 packages are optional extras; asking for one that is missing is one line naming the pip command, before any model
-loads (:func:`check_report_to`).
+loads (:meth:`clusterlm.TrainConfig.check`).
 
 Scalars, under the names metrics.jsonl uses: ``train/loss``, ``train/loss_unweighted``, ``train/lr``,
 ``train/grad_norm``, ``train/tokens_per_s``, ``train/tokens``; ``eval/eval_loss``. The step is the optimizer step.
@@ -12,32 +12,16 @@ Scalars, under the names metrics.jsonl uses: ``train/loss``, ``train/loss_unweig
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVAL_SCALARS", "INSTALL", "TENSORBOARD_DIR", "TRAIN_SCALARS", "Reporters", "check_report_to"]
+__all__ = ["EVAL_SCALARS", "TENSORBOARD_DIR", "TRAIN_SCALARS", "Reporters"]
 
 TENSORBOARD_DIR = "tensorboard"
 TRAIN_SCALARS = ("loss", "loss_unweighted", "lr", "grad_norm", "tokens_per_s", "tokens")
 EVAL_SCALARS = ("eval_loss",)
-# report_to -> (the module it needs, what installs it)
-INSTALL = {"tensorboard": ("tensorboard", "pip install tensorboard  (or: pip install 'cluster-kernels[tensorboard]')"),
-           "wandb": ("wandb", "pip install wandb  (or: pip install 'cluster-kernels[wandb]')")}
-
-
-def check_report_to(report_to: Sequence[str]) -> None:
-    """Refuse a ``report_to`` whose package is not installed.
-
-    Raises:
-        ImportError: one line naming the package and its pip command.
-    """
-    for name in report_to:
-        if name in INSTALL and importlib.util.find_spec(INSTALL[name][0]) is None:
-            raise ImportError(f"train: --report-to {name} needs the {INSTALL[name][0]} package, which is not "
-                              f"installed; install it with: {INSTALL[name][1]}")
 
 
 class Reporters:
@@ -49,7 +33,6 @@ class Reporters:
         self.run: Any = None
         if not enabled:
             return
-        check_report_to(report_to)
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -119,6 +119,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,14 +129,13 @@ import torch
 from clusterlm.config.training import TRAIN_CONFIG, TrainConfig
 from clusterlm.engine.fsdp import CPU_ALLOCATOR_ENV
 from clusterlm.launch.failures import removed_if_empty
-from clusterlm.launch.launcher import SpawnFailed, spawn_with_config, under_torchrun
+from clusterlm.launch.launcher import CONFIG_SHA_ENV, SpawnFailed, spawn_with_config, under_torchrun
 from clusterlm.launch.preemption import read_preempted
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines import baseline_plan, is_baseline_spec
-from clusterlm.training.checks import check_fsdp, check_inputs, check_unlocked, plan_world_size, world_size_error
+from clusterlm.training.checks import check_inputs, check_unlocked, plan_world_size, world_size_error
 from clusterlm.training.loop import train_rank
 from clusterlm.training.metrics import CURVE, METRICS, SUMMARY
-from clusterlm.training.reporting import check_report_to
 
 __all__ = ["SHUTDOWN_MARGIN_S", "SpawnFailed", "TrainResult", "train"]
 
@@ -199,42 +199,54 @@ class TrainResult:
                    summary=summary, paths=paths)
 
 
-def train(config: TrainConfig, plan: Plan | None = None) -> TrainResult:
+def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> TrainResult:
     """Train on a plan with the reference trainer: in this process, or on ``config.nproc`` ranks it starts.
 
     Under torchrun (every rank calls it) each process trains its rank. Otherwise ``nproc`` > 1 (or ``nnodes`` > 1)
     writes ``OUT/train_config.yaml`` and starts the ranks through torch's launcher; one process trains here.
 
     Args:
-        config: the run's settings (``plan``, ``model``, ``data``, ``out`` required).
+        config: the run's settings (``plan``, ``model``, ``data``, ``out`` required), or a mapping of them.
         plan: a :class:`clusterlm.Plan` to train on instead of ``config.plan`` (saved to ``OUT/plan`` first).
 
     Returns:
         The :class:`TrainResult` (losses, held-out losses, timings, paths).
 
     Raises:
-        ValueError / TypeError / FileNotFoundError: a bad setting or input, before any process starts.
+        TypeError: ``config`` is not a :class:`clusterlm.TrainConfig` or a mapping of its settings.
+        ValueError / TypeError / FileNotFoundError: a bad setting or input (:meth:`TrainConfig.check`,
+            :func:`clusterlm.training.checks.check_inputs`), before any process starts.
         ImportError: report_to names a package that is not installed.
         LockedError: another live run holds ``out``.
         SpawnFailed: a rank of a launched run failed (its message is printed already); ``.code`` is the status.
         Preempted: SIGTERM or SIGUSR1 stopped the run after a checkpoint (:mod:`clusterlm.launch.preemption`).
     """
+    if isinstance(config, Mapping):  # a dict of settings: through the config's own loader (unknown names refused)
+        config = TrainConfig.from_dict(config, "train(config)")
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"train: config must be a clusterlm.TrainConfig (or a mapping of its settings), got "
+                        f"{type(config).__name__}; e.g. clusterlm.train(clusterlm.TrainConfig(plan=..., model=..., "
+                        "data=..., out=...)).")
     with removed_if_empty(config.out or ".", lambda out: (out / METRICS).exists()):
         if plan is not None:
             config = _with_plan(config, plan)
-        config.check()
-        check_report_to(config.report_to)
+        if not checked_by_launcher():  # checked once, where the job starts; a launched rank has its launcher's
+            config.check()
+            check_inputs(config, plan_dir=not is_baseline_spec(config.plan))
         return _train(config)
+
+
+def checked_by_launcher() -> bool:
+    """This process is a rank started by :func:`clusterlm.launch.launcher.spawn_with_config` on the checksummed
+    config file its launcher checked (the CLI verified the checksum before parsing)."""
+    return under_torchrun() and bool(os.environ.get(CONFIG_SHA_ENV))
 
 
 def _train(config: TrainConfig) -> TrainResult:
     build_plan = baseline_plan if is_baseline_spec(config.plan) else None
     nproc, nnodes = config.nproc or 1, config.nnodes
-    if not under_torchrun():  # --fsdp on one process: refused before the plan or any model (the ranks check again)
-        check_fsdp(config, nproc * nnodes)
     if under_torchrun() or (nproc == 1 and nnodes == 1 and not config.max_restarts):
         return TrainResult.read(config.out, train_rank(config, build_plan=build_plan))
-    check_inputs(config, plan_dir=build_plan is None)  # the ranks check again; this fails before any starts
     if nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
         check_unlocked(config.out)
     plan_ws = None if build_plan is not None else plan_world_size(config.plan)

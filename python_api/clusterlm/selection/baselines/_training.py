@@ -23,13 +23,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from clusterlm.config.overrides import apply_settings
+from clusterlm.config.baselines import LOSS_BATCH_TOKENS, MICRO_BATCH_SIZE, TrainLoopConfig
 from clusterlm.data import collate
 from clusterlm.engine.loss import per_example_loss
 from clusterlm.engine.step import build_optimizer, build_scheduler, make_micro_batches, train_step
@@ -39,8 +38,6 @@ __all__ = [
     "pad_id_of", "stage", "train_loop",
 ]
 
-LOSS_BATCH_TOKENS = 8192  # padded tokens per loss forward (example_losses, S2L's trajectories)
-MICRO_BATCH_SIZE = 8  # examples per optimizer step of the baselines' training (train_loop, S2L, LESS)
 
 def pad_id_of(model: Any, pad_id: int | None) -> int:
     """``pad_id`` if given, else the model config's pad token id, else 0 (padding is masked anyway)."""
@@ -111,39 +108,6 @@ def example_losses(
     return out
 
 
-@dataclass(frozen=True)
-class TrainLoopConfig:
-    """The settings of :func:`train_loop` (``epochs`` and ``lr`` are required).
-
-    Attributes:
-        epochs: passes over the training indices.
-        lr: peak learning rate.
-        micro_batch_size: examples per optimizer step.
-        warmup_ratio / schedule / weight_decay / max_grad_norm: as the trainer's options (linear warm-up over
-            ``warmup_ratio`` of the steps, then ``schedule`` decay to 0: :func:`clusterlm.engine.step.lr_factor`).
-        seed: order of the examples (and dropout, through a forked RNG).
-        pad_id: padding id (default the model's).
-        checkpoint_steps: after these optimizer steps (1-based) the loop's ``on_checkpoint`` callback runs.
-        autocast_dtype: e.g. ``torch.bfloat16``; None for none.
-    """
-
-    epochs: int
-    lr: float
-    micro_batch_size: int = MICRO_BATCH_SIZE
-    warmup_ratio: float = 0.03
-    schedule: str = "linear"
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    pad_id: int | None = None
-    checkpoint_steps: Sequence[int] = ()
-    autocast_dtype: torch.dtype | None = None
-
-    def replace(self, **overrides: Any) -> TrainLoopConfig:
-        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
-        return apply_settings(TrainLoopConfig, self, overrides, "train_loop")
-
-
 def train_loop(
     model: torch.nn.Module,
     examples: Sequence[dict[str, np.ndarray]],
@@ -176,7 +140,7 @@ def train_loop(
         ValueError: empty ``indices`` or ``epochs < 1``.
         TypeError: an unknown setting, or ``epochs`` / ``lr`` missing.
     """
-    c = apply_settings(TrainLoopConfig, config, overrides, "train_loop")
+    c = TrainLoopConfig.merged(config, overrides)
     epochs, micro_batch_size, seed = c.epochs, c.micro_batch_size, c.seed
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0 or epochs < 1:

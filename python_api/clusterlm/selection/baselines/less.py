@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,14 +47,12 @@ import torch
 
 from cluster_kernels.project_linear_grads import segment_outer_sum
 from cluster_kernels.projection import random_projection
-from clusterlm.config.overrides import apply_settings
+from clusterlm.config.baselines import LESS_BATCH_TOKENS, LESS_DIM, LESS_TARGETS, LessConfig
 from clusterlm.data import collate, lengths_of
 from clusterlm.engine.loss import per_example_loss
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines._plans import make_plan, resolve_amount
 from clusterlm.selection.baselines._training import (
-    MICRO_BATCH_SIZE,
-    TrainLoopConfig,
     length_batches,
     pad_id_of,
     stage,
@@ -67,48 +64,9 @@ __all__ = [
     "lora_gradient_features", "lora_model", "lora_params",
 ]
 
-LESS_DIM = 1024  # LESS's projected gradient dimension (not the selection's feature size, clusterlm.selection.features)
-LESS_BATCH_TOKENS = 4096  # padded tokens per LESS gradient pass
-LESS_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 _STREAM_LESS = 0x1E55
-
-
-@dataclass(frozen=True)
-class LessConfig:
-    """The settings of :func:`less_plan` (defaults: LESS's where the paper gives them, else this small scale's).
-
-    Attributes:
-        seed: warm-up sample, order, LoRA initialisation and projections.
-        warmup_fraction / warmup_epochs / lr / micro_batch_size: the warm-up (LESS: 5 %, 4 epochs, 2e-5).
-        lora_r / lora_alpha / lora_dropout / lora_targets: the LoRA (alpha default ``4 r``).
-        dim: projected gradient dimension (:data:`LESS_DIM`).
-        batch_tokens: padded tokens per gradient pass.
-        token_balance: the random baseline's allocation option.
-    """
-
-    seed: int = 0
-    warmup_fraction: float = 0.05
-    warmup_epochs: int = 4
-    lr: float = 2e-5
-    lora_r: int = 8
-    lora_alpha: float | None = None
-    lora_dropout: float = 0.1
-    lora_targets: str = LESS_TARGETS
-    micro_batch_size: int = MICRO_BATCH_SIZE
-    dim: int = LESS_DIM
-    batch_tokens: int = LESS_BATCH_TOKENS
-    token_balance: bool = True
-
-    def replace(self, **overrides: Any) -> LessConfig:
-        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
-        return apply_settings(LessConfig, self, overrides, "less_plan")
-
-    def warmup(self, checkpoint_steps: Sequence[int]) -> TrainLoopConfig:
-        """The warm-up's :func:`~clusterlm.selection.baselines._training.train_loop` settings."""
-        return TrainLoopConfig(epochs=self.warmup_epochs, lr=self.lr, micro_batch_size=self.micro_batch_size,
-                               seed=self.seed, checkpoint_steps=tuple(checkpoint_steps))
 
 
 def lora_model(model: torch.nn.Module, *, r: int = LessConfig.lora_r, alpha: float | None = None,
@@ -291,7 +249,7 @@ def less_plan(
             ``warmup_fraction``.
         TypeError: an unknown setting (the message lists the settings).
     """
-    c = apply_settings(LessConfig, config, overrides, "less_plan")
+    c = LessConfig.merged(config, overrides)
     seed, dim, batch_tokens = c.seed, c.dim, c.batch_tokens
     t0 = time.perf_counter()
     n = len(dataset)

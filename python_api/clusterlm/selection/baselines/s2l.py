@@ -39,21 +39,17 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from cluster_kernels import capacity_kmeans
-from clusterlm.config.overrides import apply_settings
+from clusterlm.config.baselines import S2LConfig
 from clusterlm.data import lengths_of
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines._plans import make_plan, resolve_amount
 from clusterlm.selection.baselines._training import (
-    LOSS_BATCH_TOKENS,
-    MICRO_BATCH_SIZE,
-    TrainLoopConfig,
     example_losses,
     stage,
     train_loop,
@@ -62,46 +58,6 @@ from clusterlm.selection.baselines._training import (
 __all__ = ["S2LConfig", "balanced_cluster_order", "balanced_cluster_sample", "build_proxy", "s2l_plan"]
 
 _STREAM_S2L = 0x52C1
-
-
-@dataclass(frozen=True)
-class S2LConfig:
-    """The settings of :func:`s2l_plan` (defaults: S2L's where the paper gives them, else this small scale's).
-
-    Attributes:
-        seed: seed of proxy training order, K-means and sampling.
-        proxy_layers: decoder layers of the proxy (default half of the model's).
-        proxy_epochs: proxy training epochs over the full data.
-        n_checkpoints: evenly spaced checkpoints (trajectory length T).
-        n_clusters: K-means clusters (S2L: 100; clamped to N).
-        skip_size: clusters of at most this size are skipped.
-        lr / micro_batch_size: proxy training.
-        batch_tokens: padded tokens per loss forward.
-        autocast_dtype: e.g. ``torch.bfloat16`` on GPU.
-        token_balance: the random baseline's allocation option.
-    """
-
-    seed: int = 0
-    proxy_layers: int | None = None
-    proxy_epochs: int = 1
-    n_checkpoints: int = 4
-    n_clusters: int = 100
-    skip_size: int = 2
-    lr: float = 1e-3
-    micro_batch_size: int = MICRO_BATCH_SIZE
-    batch_tokens: int = LOSS_BATCH_TOKENS
-    autocast_dtype: torch.dtype | None = None
-    token_balance: bool = True
-
-    def replace(self, **overrides: Any) -> S2LConfig:
-        """A copy with ``overrides`` applied (TypeError on a name that is not a setting)."""
-        return apply_settings(S2LConfig, self, overrides, "s2l_plan")
-
-    def proxy_training(self, checkpoint_steps: list[int]) -> TrainLoopConfig:
-        """The proxy's :func:`~clusterlm.selection.baselines._training.train_loop` settings."""
-        return TrainLoopConfig(epochs=self.proxy_epochs, lr=self.lr, micro_batch_size=self.micro_batch_size,
-                               seed=self.seed, checkpoint_steps=tuple(checkpoint_steps),
-                               autocast_dtype=self.autocast_dtype)
 
 
 def build_proxy(model: torch.nn.Module, n_layers: int | None = None) -> torch.nn.Module:
@@ -265,7 +221,7 @@ def s2l_plan(
             wrong shape.
         TypeError: an unknown setting (the message lists the settings).
     """
-    c = apply_settings(S2LConfig, config, overrides, "s2l_plan")
+    c = S2LConfig.merged(config, overrides)
     t0 = time.perf_counter()
     n = len(dataset)
     lengths = lengths_of(dataset)

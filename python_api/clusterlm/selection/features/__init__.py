@@ -25,9 +25,9 @@ padding. The lm head is never run on the full sequence: a pre-hook hands it an e
 loss gradient ``W^T (p_t - e_{y_t}) / n_b`` w.r.t. the last hidden state is computed in token chunks
 (``(chunk, V)`` logits at most), so no ``(B, T, V)`` logits tensor exists.
 
-Feature window (``max_tokens``). A selection feature needs the direction of an example's gradient, not
+Feature window (``feature_tokens``). A selection feature needs the direction of an example's gradient, not
 every token of it, and the forward pass over all tokens is the whole cost of featurization. With
-``max_tokens=T`` each example is cut, before anything runs, to a window of at most ``T`` tokens: its
+``feature_tokens=T`` each example is cut, before anything runs, to a window of at most ``T`` tokens: its
 first answer tokens, preceded by up to ``T // 4`` (at least 1) prompt tokens just before the answer (more
 when the answer is shorter than the rest of the window); the feature is the gradient of the mean
 answer loss inside the window. ``None`` featurizes whole examples (the paper's proxy does).

@@ -78,28 +78,28 @@ def known_length(data: Any) -> int | None:
         return None
 
 
-def feature_window(labels: np.ndarray, max_tokens: int) -> tuple[int, int]:
-    """The ``[lo, hi)`` token window that a ``max_tokens`` feature looks at (the :mod:`clusterlm.selection.features` docstring).
+def feature_window(labels: np.ndarray, feature_tokens: int) -> tuple[int, int]:
+    """The ``[lo, hi)`` token window that a ``feature_tokens`` feature looks at (the :mod:`clusterlm.selection.features` docstring).
 
     Args:
         labels: (T,) int labels, -100 on prompt tokens, with at least one answer label after position 0.
-        max_tokens: window length, >= 2.
+        feature_tokens: window length, >= 2.
 
     Returns:
-        ``(lo, hi)`` with ``hi - lo == min(T, max_tokens)`` and at least one answer label in
+        ``(lo, hi)`` with ``hi - lo == min(T, feature_tokens)`` and at least one answer label in
         ``labels[lo + 1:hi]`` (position ``lo`` predicts nothing once the window starts there).
     """
     t = len(labels)
-    if t <= max_tokens:
+    if t <= feature_tokens:
         return 0, t
     first = 1 + int(np.argmax(labels[1:] != IGNORE_INDEX))  # the first answer token
-    lo = max(0, first - max(1, max_tokens // 4))
-    hi = min(t, lo + max_tokens)
-    return max(0, hi - max_tokens), hi  # a short answer leaves room for more prompt
+    lo = max(0, first - max(1, feature_tokens // 4))
+    hi = min(t, lo + feature_tokens)
+    return max(0, hi - feature_tokens), hi  # a short answer leaves room for more prompt
 
 
 def check_example(
-    example: Mapping[str, Any], index: int, *, vocab_in: int | None, vocab: int, max_tokens: int | None
+    example: Mapping[str, Any], index: int, *, vocab_in: int | None, vocab: int, feature_tokens: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Example ``index`` as checked ``(input_ids, labels)`` int64 arrays, cut to its feature window.
 
@@ -107,7 +107,7 @@ def check_example(
         example: a dict with ``input_ids`` and ``labels``.
         index: its position in the data (for messages).
         vocab_in: rows of the input embedding (None: not checked); vocab: the lm head's outputs.
-        max_tokens: the feature window (:func:`feature_window`), or None for the whole example.
+        feature_tokens: the feature window (:func:`feature_window`), or None for the whole example.
 
     Raises:
         TypeError / ValueError: not such a dict, misaligned or out-of-range ids or labels, no answer token.
@@ -139,8 +139,8 @@ def check_example(
             "are -100 (labels[0] predicts nothing in a causal LM), so its mean loss and gradient are undefined. "
             "Drop the example or unmask at least one answer token."
         )
-    if max_tokens is not None and len(ids) > max_tokens:
-        lo, hi = feature_window(labels, max_tokens)
+    if feature_tokens is not None and len(ids) > feature_tokens:
+        lo, hi = feature_window(labels, feature_tokens)
         ids, labels = ids[lo:hi], labels[lo:hi]
     return ids, labels
 

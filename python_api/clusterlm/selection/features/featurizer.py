@@ -104,21 +104,21 @@ class GradientFeaturizer(BatchGradients):
     ) -> None:
         features = _renamed("layers", layers, "features", features, "paper")
         feature_tokens = _renamed("max_tokens", max_tokens, "feature_tokens", feature_tokens, None)
-        layers, max_tokens = features, feature_tokens
+        layers = features
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientFeaturizer: model must be a torch.nn.Module, got {type(model).__name__}.")
         if projection not in PROJECTION_KINDS:
             raise ValueError(f"GradientFeaturizer: projection must be one of {PROJECTION_KINDS}, got {projection!r}.")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"GradientFeaturizer: dtype must be None or a floating torch.dtype, got {dtype!r}.")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 2):
+        if feature_tokens is not None and (isinstance(feature_tokens, bool) or not isinstance(feature_tokens, int)
+                                       or feature_tokens < 2):
             raise ValueError(
                 f"GradientFeaturizer: feature_tokens must be None (whole examples) or an int >= 2 (the feature "
-                f"window), got {max_tokens!r}."
+                f"window), got {feature_tokens!r}."
             )
         self.model = model
-        self.max_tokens = max_tokens
+        self.feature_tokens = feature_tokens
         self.seed = int(seed)
         self.dtype = dtype
         self.normalize = bool(normalize)
@@ -198,7 +198,7 @@ class GradientFeaturizer(BatchGradients):
             "projection": self.projection,
             "normalize": self.normalize,
             "dtype": str(self.dtype),
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.feature_tokens,  # the stored key keeps its name (file format)
             "model": self._model_fingerprint(),
         }
 
@@ -244,7 +244,7 @@ class GradientFeaturizer(BatchGradients):
     def _check_example(self, example: Mapping[str, Any], index: int) -> tuple[np.ndarray, np.ndarray]:
         vocab_in = self._embeddings.num_embeddings if isinstance(self._embeddings, nn.Embedding) else None
         return check_example(example, index, vocab_in=vocab_in, vocab=self._lm_head.out_features,
-                             max_tokens=self.max_tokens)
+                             feature_tokens=self.feature_tokens)
 
     # ---- data sets ----------------------------------------------------------------------------------
 
