@@ -216,7 +216,8 @@ def rows_for(name: str) -> dict[str, Any]:
     act = TRAIN_TOKENS * (layers * train_act + VOCAB * LOGIT_BYTES)
     ddp_states = 16 * p + 4 * p + layers * casts  # fp32 weights, grads, AdamW m and v; DDP's gradient buckets;
     # autocast's bf16 copy of every layer's weights, saved for backward
-    # FSDP2 as clusterlm.engine.fsdp shards (MixedPrecisionPolicy: bf16 params, float32 reduce): the shards, two gathered
+    # FSDP2 as clusterlm.engine.fsdp shards (MixedPrecisionPolicy: bf16 params, float32 reduce): the shards, two
+    # gathered
     # bf16 blocks with their float32 gradients for the reduce-scatter, and the root (embedding, lm head) likewise
     fsdp_states = 16 * p / FSDP_RANKS + (2 * pc["layer"] + pc["embed"] + pc["head"]) * (2 + 4)
     return {

@@ -206,7 +206,8 @@ def test_the_main_guard_is_the_only_exemption(tmp_path, monkeypatch):
     planted.write_text(MODULES["clusterlm.training.loop"].read_text() + "\n" + guarded)
     monkeypatch.setitem(MODULES, "clusterlm.training.loop", planted)
     assert ("clusterlm.cli.commands", "main") not in {(t, n) for t, n, _ in imports_of("clusterlm.training.loop")}
-    planted.write_text(MODULES["clusterlm.training.loop"].read_text() + "\nif True:\n    from clusterlm.cli.commands import main\n")
+    guarded_not = "\nif True:\n    from clusterlm.cli.commands import main\n"
+    planted.write_text(MODULES["clusterlm.training.loop"].read_text() + guarded_not)
     assert ("clusterlm.cli.commands", "main") in {(t, n) for t, n, _ in imports_of("clusterlm.training.loop")}
 
 

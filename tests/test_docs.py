@@ -18,12 +18,17 @@ section it cites ("docs/scaling.md section 4", "§4", ``page.md#anchor``); every
 README and the guides exists; nothing cites a file outside the repository.
 
 Site. ``mkdocs build --strict`` (the ``docs`` extra, also in ``test``): a broken link, a missing page or an
-object mkdocstrings cannot find fails.
+object mkdocstrings cannot find fails, and so does a fault in the rendered API reference, which the build's hook
+(docs/mkdocs_hooks.py, ``reference_problems``) reports and this file checks again on the built HTML: raw reST (a
+``:class:`` role, a ``~clusterlm.`` short reference, a ``::`` literal-block marker), a ``<placeholder>`` swallowed
+as an HTML tag, a ``Returns`` section whose value got a name ("The") or was split at a wrapped line, a default
+that is a private helper call (``_opt(...)``), a dataclass attribute that does not show its field's default.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -36,8 +41,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOC_FILES = ["README.md", "docs/selection.md", "docs/training.md", "docs/integrations.md", "docs/compare.md",
-             "docs/kmeans.md", "docs/gpu.md", "docs/design.md", "docs/scaling.md", "docs/architecture.md"]
+DOC_FILES = ["README.md", "docs/index.md", "docs/selection.md", "docs/training.md", "docs/integrations.md",
+             "docs/compare.md", "docs/kmeans.md", "docs/gpu.md", "docs/design.md", "docs/scaling.md",
+             "docs/architecture.md"]
 RUNNABLE, ILLUSTRATIVE = "<!-- runnable -->", "<!-- illustrative -->"
 EXECUTED = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash", "console": "bash"}
 FENCE = re.compile(r"^(\s*)```\s*([A-Za-z0-9_+-]*)\s*$")
@@ -324,4 +330,117 @@ def test_mkdocs_site_builds_strict(tmp_path: Path) -> None:
                            "-d", str(tmp_path / "site")], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert (tmp_path / "site" / "reference" / "clusterlm" / "index.html").is_file()
+    site = tmp_path / "site"
+    assert (site / "reference" / "clusterlm" / "index.html").is_file()
+    assert (site / "benchmarks" / "index.html").is_file(), "BENCHMARKS.md is a page of the site"
+    # the check the build ran on every reference page, again on the HTML as written (links resolved)
+    hooks = _mkdocs_hooks()
+    pages = sorted((site / "reference").glob("*/index.html"))
+    problems = [f"{p.parent.name}: {problem}" for p in pages
+                for problem in hooks.reference_problems(p.read_text(encoding="utf-8"))]
+    assert not problems, "\n".join(problems)
+    html = "".join(p.read_text(encoding="utf-8") for p in pages)
+    # what the check reads is there: tables of Returns, dataclass attributes with their defaults, signatures
+    assert html.count('doc-section-title">Returns:') >= 20
+    assert html.count("<em>Default:</em>") >= 50 and html.count('class="doc-signature highlight"') >= 50
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert 'href="benchmarks/#summary"' in home
+    for text in ("pip install -e .", "clusterlm.select(", "clusterlm.train(", "clusterlm.compare(", "Is it worth it?"):
+        assert text in hooks._text(home), f"the home page has no {text!r}"
+
+
+def _mkdocs_hooks():
+    spec = importlib.util.spec_from_file_location("clusterlm_mkdocs_hooks", REPO / "docs" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _object(path: str, body: str, *, dataclass: bool = False, signature: str | None = None) -> str:
+    """One object of the API reference as mkdocstrings writes it (the parts the check reads)."""
+    label = '<small class="doc doc-label doc-label-dataclass"><code>dataclass</code></small>' if dataclass else ""
+    sig = (f'<div class="doc-signature highlight"><pre><span></span><code>{signature}</code></pre></div>'
+           if signature else "")
+    return f'<h2 id="{path}" class="doc doc-heading">{path.rsplit(".", 1)[-1]}{label}</h2>{sig}' \
+           f'<div class="doc doc-contents">{body}</div>'
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join('<tr class="doc-section-item">' + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return (f'<p><span class="doc-section-title">{title}:</span></p>\n<table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
+
+
+def test_reference_check_finds_each_fault() -> None:
+    """The check of the rendered reference (docs/mkdocs_hooks.py) finds each fault it is for, and passes the same
+    objects rendered right."""
+    check = _mkdocs_hooks().reference_problems
+    returns = ["Type", "Description"]
+    good = [
+        _object("m.select", _table("Returns", returns, [["<code>Plan</code>", "<p>The plan.</p>"]])),
+        _object("m.TrainConfig", _table("Attributes", ["Name", "Type", "Description"], [
+            ["<code>lr</code>", "<code>float</code>",
+             "<p>peak learning rate.</p><p><em>Default:</em> <code>2e-05</code></p>"]]),
+            dataclass=True, signature="TrainConfig(\n    lr: float = 2e-05,\n)"),
+        _object("m.f", '<p>A <a href="#m.Plan"><code>Plan</code></a>, <code>a[::2]</code>, std::vector</p>'
+                       "<pre><code>x = y  # :class: :: ~clusterlm.z</code></pre>"),
+    ]
+    assert check("".join(good)) == []
+    faults = {
+        "names its value 'The'": _object("m.select", _table("Returns", ["Name", *returns], [
+            ["<code>The</code>", "<code>Plan</code>", "<p>class:<code>Plan</code>.</p>"]])),
+        "Returns has 2 rows": _object("m.load", _table("Returns", returns, [
+            ["<code>Any</code>", "<p>(model, tokenizer): the model</p>"], ["<code>Any</code>", "<p>and more</p>"]])),
+        "a reST role": _object("m.f", "<p>the :class:<code>Plan</code></p>"),
+        "a reST ~short reference": _object("m.f", "<p>the <code>~clusterlm.plan.Plan</code></p>"),
+        "literal-block marker": _object("m.f", "<p>Run, from Python::</p><pre><code>run()</code></pre>"),
+        "<ratio> in the HTML": _object("m.f", "<p>'random:<ratio>' (random:0.31)</p>"),
+        "default of lr is '_opt(_SCHED)'": _object("m.C", "", signature="C(lr: float = _opt(_SCHED))"),
+        "defaults to '_int(1)'": _object("m.f", _table("Parameters", ["Name", "Type", "Description", "Default"], [
+            ["<code>n</code>", "<code>int</code>", "<p>count</p>", "<code>_int(1)</code>"]])),
+        "attribute lr does not show its default '2e-05'": _object(
+            "m.TrainConfig", _table("Attributes", ["Name", "Type", "Description"], [
+                ["<code>lr</code>", "<code>float</code>", "<p>peak learning rate.</p>"]]),
+            dataclass=True, signature="TrainConfig(lr: float = 2e-05)"),
+    }
+    for what, html in faults.items():
+        problems = check(html)
+        assert any(what in p for p in problems), (what, problems)
+
+
+def test_docstrings_read_as_markdown() -> None:
+    """The docs' Griffe extension turns a docstring's reST into Markdown: roles into cross-references, ``::`` blocks
+    into fenced code, placeholders into text; code spans stay as written."""
+    hooks = _mkdocs_hooks()
+    if hooks.griffe is None:
+        pytest.skip("griffe (the docs extra) is not installed")
+    ext = hooks.ApiDocstrings()
+    ext.collection = None
+    text = textwrap.dedent("""\
+        Run, from Python::
+
+            import clusterlm
+            plan = clusterlm.select(model, data)
+
+        or from the shell::
+
+            clusterlm select --model tiny-llama --out plan/
+
+        - Effective objective::
+
+              (1/K) sum_ranks w_b * loss_b
+
+          i.e. the mean.
+        - Next item.
+
+        A :class:`~clusterlm.plan.Plan` or :func:`torch.compile`; 'random:<ratio>'; ``a <b>`` stays.""")
+    out = ext.markdown(text, obj=None)
+    assert "::" not in out
+    assert "Run, from Python:\n\n```python\nimport clusterlm\n" in out
+    assert "or from the shell:\n\n```bash\nclusterlm select" in out
+    assert "- Effective objective:\n\n    ```text\n    (1/K) sum_ranks w_b * loss_b\n    ```" in out
+    assert "\n    i.e. the mean.\n\n- Next item." in out
+    assert '<autoref identifier="clusterlm.plan.Plan" optional hover><code>Plan</code></autoref>' in out
+    assert "<code>torch.compile</code>" in out and "autoref identifier=\"torch" not in out
+    assert "'random:&lt;ratio>'" in out and "``a <b>`` stays" in out

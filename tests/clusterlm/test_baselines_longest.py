@@ -1,4 +1,5 @@
-"""The length baseline (:func:`clusterlm.selection.baselines.longest_plan`): the most answer tokens at the example budget."""
+"""The length baseline (:func:`clusterlm.selection.baselines.longest_plan`): the most answer tokens at the example
+budget."""
 
 from __future__ import annotations
 

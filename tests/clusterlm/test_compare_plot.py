@@ -1,7 +1,9 @@
 """compare.png: the drawn content, read back from matplotlib's objects (not just that a file exists).
 
-The fixture ``fixtures/compare_fixture.json`` is a compare.json made by :func:`clusterlm.comparison.statistics.summarize` and
-:func:`clusterlm.comparison.statistics.frontier` from synthetic records (5 methods with full data, ratios 0.2 and 0.31, 3 seeds,
+The fixture ``fixtures/compare_fixture.json`` is a compare.json made by
+:func:`clusterlm.comparison.statistics.summarize` and
+:func:`clusterlm.comparison.statistics.frontier` from synthetic records (5 methods with full data, ratios 0.2 and 0.31,
+3 seeds,
 40 evaluation examples).
 """
 

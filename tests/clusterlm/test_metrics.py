@@ -1,4 +1,5 @@
-"""What a training run records (clusterlm.training.metrics): metrics.jsonl, the step record, the loss windows, the summary
+"""What a training run records (clusterlm.training.metrics): metrics.jsonl, the step record, the loss windows, the
+summary
 and its printed lines, the training curve. One process, no model."""
 
 from __future__ import annotations

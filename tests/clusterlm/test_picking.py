@@ -1,4 +1,5 @@
-"""Within-cluster picks (clusterlm.selection.picking): farthest / nearest / random / k-center, ties by index, pick order,
+"""Within-cluster picks (clusterlm.selection.picking): farthest / nearest / random / k-center, ties by index, pick
+order,
 and the row normalisation the selection applies to features."""
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def _train(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> TrainConfig:
-    """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by :func:`clusterlm.cli.commands.train_parser`)."""
+    """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by
+    :func:`clusterlm.cli.commands.train_parser`)."""
     return TrainConfig(**parse_config(cli.train_parser(), argv))
 
 

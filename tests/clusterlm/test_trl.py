@@ -118,7 +118,8 @@ def test_resume_continues_the_plan_order_and_dft_padding_free(tmp_path):
     assert resumed.seen == first.seen[6:10]
     losses = [h["loss"] for h in first.state.log_history if "loss" in h]
     assert len(losses) == 5 and np.isfinite(losses).all()
-    # the first logged loss is mean_b(w_b * loss_b) of the first batch, loss_b from the full logits (clusterlm.engine.loss)
+    # the first logged loss is mean_b(w_b * loss_b) of the first batch, loss_b from the full logits
+    # (clusterlm.engine.loss)
     batch = collate([examples[i] for i in order[:2]])
     with torch.no_grad():
         logits = tiny_sft.model(len(tok))(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -36,7 +36,8 @@ def baseline_examples(n: int = 48, seed: int = 0) -> list[dict[str, np.ndarray]]
 
 
 def run_compare(config: CompareConfig) -> int:
-    """``clusterlm compare`` (:func:`clusterlm.cli.commands.cmd_compare`) on the parsed values of ``config``: its exit status.
+    """``clusterlm compare`` (:func:`clusterlm.cli.commands.cmd_compare`) on the parsed values of ``config``: its exit
+    status.
     Checks first that those values parse back to ``config``."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
     values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)

@@ -1,7 +1,8 @@
 """Command line: ``clusterlm <command>`` (also ``python -m clusterlm``): select, train, compare, report, export, demo.
 
 This module only parses. The options of ``select``, ``train`` and ``compare`` are generated from their config
-dataclasses (:mod:`clusterlm.cli.options`: :class:`clusterlm.selection.pipeline.SelectJob` with :class:`clusterlm.SelectConfig`,
+dataclasses (:mod:`clusterlm.cli.options`: :class:`clusterlm.selection.pipeline.SelectJob` with
+:class:`clusterlm.SelectConfig`,
 :class:`clusterlm.TrainConfig`, :class:`clusterlm.CompareConfig`), each also read from ``--config FILE``; each
 command is one library call (:func:`clusterlm.selection.pipeline.run_select`, :func:`clusterlm.train`,
 :func:`clusterlm.compare`, :func:`clusterlm.training.demo.run_demo`, ...). :func:`main` maps errors to one line and an
@@ -143,7 +144,8 @@ def cmd_compare(values: dict[str, Any], debug: bool) -> int:
     return 0
 
 
-# -- report, export, demo (export and demo: options generated from their configs too) ---------------------------------------------------------------------------------------------
+# -- report, export, demo (export and demo: options generated from their configs too)
+# ---------------------------------------------------------------------------------------------
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -1,1 +1,3 @@
-"""`clusterlm.compare(config)`: every method through the same trainer, evaluation sets, statistics and verdicts, compare.json/.md/.png."""
+"""`clusterlm.compare(config)`: every method through the same trainer, evaluation sets, statistics and verdicts,
+compare.json/.md/.png.
+"""

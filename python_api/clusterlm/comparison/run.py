@@ -55,22 +55,24 @@ have together.
 
 Resumable: each finished ``(ratio, method, seed)`` is appended to ``OUT/compare_state.jsonl`` with a key of the
 settings at its ratio (with its per-example held-out losses); a rerun with the same settings skips those and
-runs the rest (a unit killed mid-way is redone from its start). Outputs: ``compare.json`` (records, per-method
+runs the rest (a unit stopped in its training, by a preemption signal or a kill, resumes it from its checkpoint;
+one stopped earlier is redone; a preemption signal exits 75). Outputs: ``compare.json`` (records, per-method
 mean/std and the differences to random and to full data with their 95 % intervals, per ratio; the
 ``frontier``), ``eval_losses.json`` (every unit's per-example losses), ``compare.md`` (tables and one
 ``verdict:`` line per method) and ``compare.png`` (:mod:`clusterlm.comparison.plot`).
-Intervals: :mod:`clusterlm.comparison.bootstrap` (two-level bootstrap over seeds and evaluation examples, paired by seed when
-the methods ran the same seeds).
+Intervals: :mod:`clusterlm.comparison.bootstrap` (two-level bootstrap over seeds and evaluation examples, paired
+by seed when the methods ran the same seeds).
 
-Several evaluation sets: ``--eval-data code=a.jsonl --eval-data math=b.jsonl`` (:mod:`clusterlm.comparison.evaluation`; a bare
-path is named after its file stem). The first is primary: ``eval_loss``, the intervals vs random / full, the
-verdicts and the frontier are its. Every run evaluates every set (the trainer evaluates them together from one
-tokenised file, ``OUT/eval_sets/``, so one evaluation gives every set's per-example losses, before training too);
-each method's summary gains ``eval_sets: {name: {loss, ci95, initial_loss, delta_vs_random, ci95_vs_random,
-delta_vs_full, ...}}``, ``compare.md`` a table per set, ``eval_losses.json`` each unit's losses per set. No
-evaluation example may also be a training example, nor one of LESS's validation examples: checked on the raw
-records' whitespace-normalised text before any model work (:func:`clusterlm.comparison.evaluation.check_overlap`). With
-several sets the settings key holds their names and content hashes; one set keys by its path, as before.
+Several evaluation sets: ``--eval-data code=a.jsonl --eval-data math=b.jsonl``
+(:mod:`clusterlm.comparison.evaluation`; a bare path is named after its file stem). The first is primary:
+``eval_loss``, the intervals vs random / full, the verdicts and the frontier are its. Every run evaluates every set
+(the trainer evaluates them together from one tokenised file, ``OUT/eval_sets/``, so one evaluation gives every
+set's per-example losses, before training too); each method's summary gains ``eval_sets: {name: {loss, ci95,
+initial_loss, delta_vs_random, ci95_vs_random, delta_vs_full, ...}}``, ``compare.md`` a table per set,
+``eval_losses.json`` each unit's losses per set. No evaluation example may also be a training example, nor one of
+LESS's validation examples: checked on the raw records' whitespace-normalised text before any model work
+(:func:`clusterlm.comparison.evaluation.check_overlap`). With several sets the settings key holds their names and
+content hashes; one set keys by its path, as before.
 
 The settings: :mod:`clusterlm.config.comparison`; the statistics: :mod:`clusterlm.comparison.statistics`; the outputs:
 :mod:`clusterlm.comparison.output`; the picture: :mod:`clusterlm.comparison.plot`.
@@ -82,6 +84,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -114,10 +117,12 @@ from clusterlm.config.comparison import (
 )
 from clusterlm.data import CHAT_TEMPLATE_MODES, load_data
 from clusterlm.data.demo import demo_data
-from clusterlm.engine.step import CKPT_DIR, EVAL_EXAMPLES
+from clusterlm.engine.step import CKPT_DIR, EVAL_EXAMPLES, LATEST, find_checkpoint
 from clusterlm.fileio import atomic_write_text
 from clusterlm.launch.launcher import SpawnFailed
+from clusterlm.launch.preemption import Preempted, PreemptionWatch
 from clusterlm.models import load_model, resolve_device
+from clusterlm.plan import Plan
 from clusterlm.selection.baselines import full_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
 from clusterlm.selection.select import feature_settings, select
 from clusterlm.selection.store import FeatureStore
@@ -127,6 +132,7 @@ from clusterlm.training.run import train
 __all__ = ["EVAL_LOSSES", "STATE", "compare", "read_state", "selected_tokens", "selection_threads", "selection_tokens"]
 
 STATE = "compare_state.jsonl"
+UNIT_SELECTION = "selection.json"  # in a unit's run directory: its selection's timings, for a resumed training
 EVAL_LOSSES = "eval_losses.json"  # every unit's per-example held-out losses, next to compare.json
 
 
@@ -263,16 +269,26 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
           f"{len(done)} done earlier (in {state_path}), {len(todo)} to run")
     if todo:
         saved_threads = torch.get_num_threads()  # the selection sets its own; the caller's is restored, error or not
+        # A preemption signal stops a selection at once (its stored features are kept), a training after its step
+        # (the trainer's own watch): the finished units are in STATE, the stopped one resumes on the rerun.
+        watch = PreemptionWatch(config.train.preemption_grace, forward=_stop_now)
+        unit = ""
         try:
             session = _Session.load(config, eval_sets, data_path, eval_path, work=out)
             session.check_budgets()
             for ratio, method, seed in todo:
-                run_dir = out / "runs" / _run_name(ratio, method, seed)
+                unit = _run_name(ratio, method, seed)
                 record = {"key": keys[ratio], "ratio": ratio,
-                          **session.run_unit(method, seed, run_dir, done, ratio=ratio, store_root=out / FEATURES)}
+                          **session.run_unit(method, seed, out / "runs" / unit, done, ratio=ratio,
+                                             store_root=out / FEATURES, key=keys[ratio])}
                 _append_state(state_path, record)
                 done[(ratio, method, seed)] = record
+        except (Preempted, _Stopped) as e:
+            where = f"in unit {unit} {e.stopped}" if isinstance(e, Preempted) else f"during {unit or 'the setup'}"
+            raise Preempted(f"{where}; {len(done)} of {len(wanted)} units done ({state_path})",
+                            f"clusterlm compare --config {out / COMPARE_CONFIG}", e.signal_name) from None
         finally:
+            watch.close()
             torch.set_num_threads(saved_threads)
     records = [done[u] for u in wanted]
     result = build_result(list(config.methods), list(config.seeds), config.all_ratios, settings, keys, records,
@@ -282,6 +298,30 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
     atomic_write_text(out / "compare.md", markdown_table(result) + "\n")
     plot_compare(result, out / "compare.png")
     return CompareResult(result)
+
+
+class _Stopped(BaseException):  # noqa: N818 - not an Exception: no handler of the selection code may take it
+    """A preemption signal in the comparison's own process (a selection): raised at once by its handler."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal_name = signal.Signals(signum).name
+
+
+def _stop_now(signum: int) -> None:
+    raise _Stopped(signum)
+
+
+def _stopped_unit(run_dir: Path, key: str) -> tuple[float, float, bool] | None:
+    """(selection seconds charged, measured, features reused) of the unit of settings ``key`` in ``run_dir`` when its
+    training stopped after a checkpoint; None otherwise (the unit starts again)."""
+    try:
+        rec = json.loads((run_dir / UNIT_SELECTION).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if rec.get("key") != key or find_checkpoint(run_dir / "train", LATEST) is None:
+        return None
+    return float(rec["selection_s"]), float(rec["measured_s"]), bool(rec["reused"])
 
 
 def _units(config: CompareConfig) -> list[tuple[float, str, int]]:
@@ -420,26 +460,19 @@ class _Session:
         return plan, time.perf_counter() - t0
 
     def run_unit(self, method: str, seed: int, run_dir: Path, done: dict[Any, Any], *, ratio: float | None = None,
-                 store_root: Path | None = None) -> dict[str, Any]:
+                 store_root: Path | None = None, key: str = "") -> dict[str, Any]:
         """Select with ``method`` at ``ratio`` (default ``--ratio``), train on the plan, return the unit's record
-        (without the settings key); cluster methods keep their features under ``store_root``."""
+        (without the settings key); cluster methods keep their features under ``store_root``. A unit of settings
+        ``key`` whose training stopped after a checkpoint (a preemption, a kill) resumes it with its selection."""
         if ratio is not None:
             self.config = self.config.replace(ratio=ratio)
         config = self.config
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # a unit killed mid-way starts again
-        run_dir.mkdir(parents=True)
-        print(f"\n== {method}, seed {seed}: selection ==")
-        if method == "less" and not self.validation:
-            raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
-        store = None if store_root is None else self.feature_store(method, seed, store_root)
-        reused = store is not None and FeatureStore(store).complete
-        plan, selection_s = self._timed_select(method, seed, store)
-        measured_s = selection_s
-        if store is not None:
-            selection_s = _charge_features(store, plan, selection_s, reused)
-        plan.save(run_dir / "plan")
-        print(f"   {plan.n_selected} of {len(self.data)} examples selected in {selection_s:.2f} s")
+        selected = _stopped_unit(run_dir, key)  # its training stopped after a checkpoint (a preemption): resumed
+        if selected is not None:
+            plan, (selection_s, measured_s, reused) = Plan.load(run_dir / "plan"), selected
+            print(f"\n== {method}, seed {seed}: selected before it stopped; training resumes ==")
+        else:
+            plan, selection_s, measured_s, reused = self._select_unit(method, seed, run_dir, key, store_root)
         print(f"== {method}, seed {seed}: training ({config.world_size} rank(s)) ==")
         # The loss before training is the same for every unit (same model, same held-out data): measured once.
         base = next((r for r in done.values() if r.get("initial_eval_loss") is not None), None)
@@ -447,7 +480,7 @@ class _Session:
             plan=str(run_dir / "plan"), model=config.model, data=self.data_path, out=str(run_dir / "train"),
             eval_data=self.train_eval_path or self.eval_path, eval_max_examples=self.eval_slices[-1][2], seed=seed,
             nproc=config.world_size, overwrite=True, save_model=False, keep_checkpoints=1,
-            initial_eval=base is None)
+            initial_eval=base is None, resume=None if selected is None else LATEST)
         try:
             summary = train(unit).summary
         except SpawnFailed as e:
@@ -471,6 +504,28 @@ class _Session:
             "selection_tokens": selection_tokens(method, plan, self.data.lengths),
             **selected_tokens(plan, self.data.lengths),
         }
+
+    def _select_unit(self, method: str, seed: int, run_dir: Path, key: str,
+                     store_root: Path | None) -> tuple[Any, float, float, bool]:
+        """A new unit's selection, in an empty ``run_dir``: the plan (saved there), the seconds charged and measured,
+        whether the features were reused; recorded in ``run_dir/selection.json`` for a resumed training."""
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a unit killed before its first checkpoint starts again
+        run_dir.mkdir(parents=True)
+        print(f"\n== {method}, seed {seed}: selection ==")
+        if method == "less" and not self.validation:
+            raise ValueError("compare: less needs --n-validation >= 1 validation examples.")
+        store = None if store_root is None else self.feature_store(method, seed, store_root)
+        reused = store is not None and FeatureStore(store).complete
+        plan, selection_s = self._timed_select(method, seed, store)
+        measured_s = selection_s
+        if store is not None:
+            selection_s = _charge_features(store, plan, selection_s, reused)
+        plan.save(run_dir / "plan")
+        atomic_write_text(run_dir / UNIT_SELECTION, json.dumps({"key": key, "selection_s": selection_s,
+                                                                "measured_s": measured_s, "reused": reused}) + "\n")
+        print(f"   {plan.n_selected} of {len(self.data)} examples selected in {selection_s:.2f} s")
+        return plan, selection_s, measured_s, reused
 
     def evaluations(self, train_dir: Path, summary: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
         """A trained unit's held-out losses: the primary set's (``eval_loss``, ``initial_eval_loss``,
@@ -513,9 +568,9 @@ def selected_tokens(plan: Any, lengths: Any) -> dict[str, Any]:
 
 def selection_tokens(method: str, plan: Any, lengths: Any) -> int | None:
     """Tokens the selection's model read, in the units of tokens trained: a cluster method reads every example's
-    feature window (``min(length, window)`` tokens, :func:`clusterlm.selection.features.feature_window`; the whole example
-    without a window); full, random and longest read none; None for S2L, IFD and LESS (proxy training and several
-    passes: not counted)."""
+    feature window (``min(length, window)`` tokens, :func:`clusterlm.selection.features.feature_window`; the whole
+    example without a window); full, random and longest read none; None for S2L, IFD and LESS (proxy training and
+    several passes: not counted)."""
     base = parse_method(method).base
     if base in ("full", "random", "longest"):
         return 0

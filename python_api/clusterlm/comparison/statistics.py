@@ -1,5 +1,6 @@
 """The statistics of a comparison: per-method means over seeds, differences to random and to full data with their
-95 % intervals (:mod:`clusterlm.comparison.bootstrap`' two-level bootstrap), the cost/quality frontier, and one verdict per method.
+95 % intervals (:mod:`clusterlm.comparison.bootstrap`' two-level bootstrap), the cost/quality frontier, and one verdict
+per method.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str],
 def _set_summary(by_method: dict[str, list[dict[str, Any]]], m: str, name: str, primary: str,
                  known_vs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Method ``m`` on evaluation set ``name``: held-out loss (mean, std over seeds) with its 95 % interval
-    (:func:`clusterlm.comparison.bootstrap.bootstrap_loss`), the loss before training, the examples evaluated, and the difference to
+    (:func:`clusterlm.comparison.bootstrap.bootstrap_loss`), the loss before training, the examples evaluated, and the
+    difference to
     random and to full data on that set with its interval (:func:`_vs_reference`; ``known_vs``: those already
     computed, for the primary set)."""
     rs = on_set(by_method[m], name, primary)
@@ -106,7 +108,8 @@ def _loss_arrays(rs: list[dict[str, Any]], per_example: bool) -> tuple[np.ndarra
 
 def delta_between(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> Delta | None:
     """Held-out loss of the units ``rs`` minus that of ``ref`` (compare records of two methods), with the
-    two-level bootstrap interval (:func:`clusterlm.comparison.bootstrap.bootstrap_delta`: paired by seed when both ran the same
+    two-level bootstrap interval (:func:`clusterlm.comparison.bootstrap.bootstrap_delta`: paired by seed when both ran
+    the same
     seeds; over the evaluation examples when every record has its per-example losses, else over seeds only).
     None when a loss is missing."""
     both = rs + ref
@@ -121,7 +124,8 @@ def delta_between(rs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> Delta 
 def _vs_reference(rs: list[dict[str, Any]], ref: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """``delta_vs_<name>``, ``ci95_vs_<name>``, whether the seeds were paired, the seeds that would resolve 1 %.
 
-    The interval is :func:`clusterlm.comparison.bootstrap.bootstrap_delta`'s (seeds, then evaluation examples; paired by seed when
+    The interval is :func:`clusterlm.comparison.bootstrap.bootstrap_delta`'s (seeds, then evaluation examples; paired by
+    seed when
     both ran the same seeds); runs recorded without per-example losses resample the seeds only.
     """
     d = delta_between(rs, ref)

@@ -34,3 +34,16 @@ class DemoConfig(Config):
     progress: bool = True
 
     COMMAND: ClassVar[str] = "demo"
+
+    def check(self) -> None:
+        """Refuse settings the demo cannot run with.
+
+        Raises:
+            ValueError: a world size or train_steps out of range, a ratio outside (0, 1], a negative seed.
+        """
+        for name, low in (("world_size", 1), ("seed", 0), ("train_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"demo: --{name.replace('_', '-')} must be an int >= {low}, got {value!r}.")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(f"demo: --ratio must be a fraction in (0, 1], got {self.ratio!r}.")

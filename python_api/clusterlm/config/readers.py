@@ -12,7 +12,8 @@ import math
 
 from clusterlm.config.defaults import CHAT_TEMPLATE_MODES, LAYER_PRESETS
 
-__all__ = ["EmptyItemError", "chat_template_arg", "comma_items", "dim_arg", "feature_tokens_arg", "features_arg", "fraction_arg", "int_at_least_arg", "max_length_arg",
+__all__ = ["EmptyItemError", "chat_template_arg", "comma_items", "dim_arg", "feature_tokens_arg", "features_arg",
+           "fraction_arg", "int_at_least_arg", "max_length_arg",
            "non_negative_int_arg", "on_off_arg", "optional_fraction_arg", "positive_int_arg", "ratios_arg", "seeds_arg",
            "size_arg", "string_list_arg"]
 

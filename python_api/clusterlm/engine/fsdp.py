@@ -25,7 +25,8 @@ do not allow; :class:`ShardedAdafactor` is the same algorithm with out-of-place 
 tensors, bit for bit), used when the parameters are sharded.
 
 Imports: torch's FSDP2, distributed-checkpoint and DTensor modules are imported by the functions that use them, not
-with this module: they cost about 0.7 s of CPU (sympy with them; ``import clusterlm.cli.commands`` 3.1 -> 2.4 CPU-s), which
+with this module: they cost about 0.7 s of CPU (sympy with them; ``import clusterlm.cli.commands`` 3.1 -> 2.4 CPU-s),
+which
 every process importing the package paid (the CLI, ``clusterlm --help``, a launcher); :func:`is_dtensor` and
 :func:`is_sharded` answer without them.
 """

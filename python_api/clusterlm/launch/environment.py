@@ -1,8 +1,8 @@
 """Where a process sits among the launcher's processes, read from its environment (no imports of torch).
 
-torchrun sets :data:`TORCHRUN_ENV` in every rank; :func:`clusterlm.launch.launcher.spawn` sets :data:`LAUNCHER_PID_ENV` for
-what it starts, and its agent :data:`AGENT_PID_ENV`. :mod:`clusterlm.launch.launcher` (starting processes) and
-:mod:`clusterlm.launch.failures` (reporting them) both read these.
+torchrun sets :data:`TORCHRUN_ENV` in every rank; :func:`clusterlm.launch.launcher.spawn` sets
+:data:`LAUNCHER_PID_ENV` for what it starts, and its agent :data:`AGENT_PID_ENV`. :mod:`clusterlm.launch.launcher`
+(starting processes) and :mod:`clusterlm.launch.failures` (reporting them) both read these.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@ collective times out (the process group's timeout, ``--dist-timeout``) says whic
 which rank(s) are behind, in one line, instead of torch's "Timed out waiting 20000ms for recv".
 
 The progress is written by a daemon thread at most once a second (a stopped or hung rank's thread stops with it, or
-keeps showing where it stands), so the step loop pays only an assignment per operation.
+keeps showing where it stands), so the step loop pays only an assignment per operation. A rank removes its file
+when its run ends, however it ends (the last one out removes the directory); the files of ranks that were killed
+are removed by ``clusterlm train``'s launching process (:func:`remove_progress`), and a file left by a run started
+otherwise is overwritten by the rank of the same number in the next run in that OUT.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from clusterlm.fileio import atomic_write_text
 
-__all__ = ["PROGRESS_DIR", "Progress", "is_timeout"]
+__all__ = ["PROGRESS_DIR", "Progress", "is_timeout", "remove_progress"]
 
 PROGRESS_DIR = ".ranks"  # in OUT: one small JSON file per rank
 _INTERVAL = 1.0  # seconds between progress writes
@@ -93,10 +96,19 @@ class Progress:
                 "is stopped or hung (SIGSTOP, a deadlock, a GPU fault); the run ends (continue it with --resume, or "
                 "let --max-restarts restart it)")
 
-    def close(self, remove: bool = False) -> None:
-        """Stop the thread; ``remove``: the run ended well, drop the progress files (rank 0)."""
+    def close(self) -> None:
+        """Stop the thread and remove this rank's file (and the directory, when it is the last)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * _INTERVAL)
-        if remove:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if self._thread is None:
+            return
+        self._thread.join(timeout=2 * _INTERVAL)
+        self._path(self.rank).unlink(missing_ok=True)
+        try:
+            self.dir.rmdir()
+        except OSError:  # another rank's file is still there (or it is gone already)
+            pass
+
+
+def remove_progress(out: str | os.PathLike) -> None:
+    """Remove ``OUT/.ranks`` (the launching process, once its ranks are gone: killed ones leave their files)."""
+    shutil.rmtree(Path(out) / PROGRESS_DIR, ignore_errors=True)

@@ -12,11 +12,16 @@ Launching. ``clusterlm train --nproc N`` and ``clusterlm select --nproc N`` both
 Supervision. :func:`spawn` runs torch's launcher in-process in a small agent (``python -c ... run_agent``,
 the same arguments), whose ranks are forked from one preloaded fork server (:mod:`clusterlm.launch.ranks`: the
 imports are paid once per run, not once per rank and restart): the agent gets SIGTERM when the launching process
-dies (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere) and stops its ranks as torchrun does on SIGTERM;
+dies (``PR_SET_PDEATHSIG`` on Linux, a watchdog thread elsewhere) and passes it on to its ranks;
 every rank (:func:`exit_with_supervisor`, from :func:`init_distributed` and the trainer) exits within a fraction
 of a second once its parent (the fork server, or torchrun run by hand), the agent or the launching process is
 gone, so a SIGKILLed launcher leaves no rank training on unsupervised. Each rank runs in a session of its own, so
 the ranks are tied to processes, not to a process group.
+
+Preemption. SIGTERM, SIGUSR1 or SIGINT to the launching process, to the agent, to the ranks or to all of them is one
+preemption (:mod:`clusterlm.launch.preemption`): the launching process passes its first signal on to the agent, the
+agent to the ranks, and each waits for what it started; a second signal to the launching process kills the agent
+and the ranks at once.
 
 Failures. A rank that fails calls :func:`report_failure`: its one line (``clusterlm train: error (rank 1
 of 2): ...``) and exit status (2: a user error, 1: a failure) go to the error file torchrun gives it
@@ -35,6 +40,7 @@ without a group.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -64,9 +70,17 @@ from clusterlm.launch.environment import (
     under_torchrun,
 )
 from clusterlm.launch.failures import first_failure
+from clusterlm.launch.preemption import (
+    PREEMPTED_EXIT,
+    SHUTDOWN_MARGIN_S,
+    PreemptionWatch,
+    preemption_signals_blocked,
+    unblock_preemption_signals,
+)
 
 __all__ = [
     "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
+    "checked_by_launcher",
     "all_gather_floats", "all_gather_objects", "barrier", "check_config_file",
     "exit_with_supervisor", "in_process_group", "init_distributed", "is_main", "pid_alive",
     "run_agent", "spawn", "spawn_with_config", "torchrun_command", "under_torchrun",
@@ -76,19 +90,20 @@ __all__ = [
 PACKAGE_ENTRY = "clusterlm"  # `python -m clusterlm <command>` on every rank (the package entry: no runpy warning)
 # sha256 of the config file a launcher wrote for its ranks (clusterlm <command> --config FILE): checked by each rank
 CONFIG_SHA_ENV = "CLUSTERLM_CONFIG_SHA256"
-# The signals torchrun's agent handles and passes on to the ranks (they checkpoint on SIGTERM and SIGUSR1).
+# The signals torchrun's agent handles and passes on to the ranks (they checkpoint on SIGTERM, SIGUSR1 and SIGINT).
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+TORCH_SHUTDOWN_TIMEOUT_S = 30  # torchrun's --shutdown-timeout when none is given
 # How often a rank looks whether its supervisor is still there (seconds).
 WATCH_INTERVAL = 0.2
 # The agent: torch's launcher in this process (see run_agent); its arguments are torchrun's. It needs this module and
 # torch's launcher only, so it imports the package without running clusterlm/__init__.py (the public API loads
 # transformers and the models: ~1.2 s of CPU more per launch and restart): an empty package module with this
 # directory as its path stands in for it.
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 _AGENT_CODE = (
     f"import sys, types; package = types.ModuleType('clusterlm'); package.__path__ = [{_PACKAGE_DIR!r}]; "
-    "sys.modules['clusterlm'] = package; from clusterlm.launch.launcher import run_agent; sys.exit(run_agent(sys.argv[1:]))"
+    "sys.modules['clusterlm'] = package; from clusterlm.launch.launcher import run_agent; "
+    "sys.exit(run_agent(sys.argv[1:]))"
 )
 _PR_SET_PDEATHSIG = 1
 
@@ -162,8 +177,11 @@ def spawn(
     run by the agent (:func:`run_agent`), which dies with this process and reduces a failed run to the first
     failing rank's line; one process is a plain child process (it exits when this one dies,
     :func:`exit_with_supervisor`). ``OMP_NUM_THREADS`` defaults to 1 (torch's launcher would set it with a
-    warning; the ranks set torch's thread count themselves). SIGTERM and SIGUSR1 to this process are passed on
-    to the agent (which passes them to the ranks: they checkpoint and exit) instead of ending this process first.
+    warning; the ranks set torch's thread count themselves). The first SIGTERM, SIGUSR1 or SIGINT to this process
+    is passed on to the child (the agent passes it to the ranks: they checkpoint and exit), and this process waits
+    for it; a second one, or ``shutdown_timeout`` + :data:`SHUTDOWN_MARGIN_S` seconds without the child gone, kills
+    the child and its ranks and ends this process (:class:`~clusterlm.launch.preemption.PreemptionWatch`, main
+    thread).
 
     Args:
         module: ``clusterlm`` (the package entry) with the command (``train``, ``select``) first in argv.
@@ -173,7 +191,8 @@ def spawn(
         env: extra environment variables for the processes.
 
     Returns:
-        The exit status: 0, the first failing rank's (2: a user error, 1: a failure), 128 + N for signal N.
+        The exit status: 0, the first failing rank's (2: a user error, 1: a failure), ``PREEMPTED_EXIT`` (75) when
+        a preemption signal stopped the ranks, 128 + N for signal N.
 
     Raises:
         ValueError: ``nproc`` or ``nnodes`` below 1.
@@ -184,45 +203,46 @@ def spawn(
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env[LAUNCHER_PID_ENV] = str(os.getpid())
     full_env.pop(AGENT_PID_ENV, None)
-    if nproc == 1 and nnodes == 1 and not max_restarts:
+    agent = not (nproc == 1 and nnodes == 1 and not max_restarts)
+    if not agent:
         cmd = [sys.executable, "-m", module, *argv]
     else:
         torchrun = torchrun_command(argv, nproc, module=module, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
                                     rdzv_id=rdzv_id, max_restarts=max_restarts, shutdown_timeout=shutdown_timeout)
         cmd = [sys.executable, "-c", _AGENT_CODE, *torchrun[3:]]  # torchrun[:3]: python -m torch.distributed.run
-    proc = subprocess.Popen(cmd, env=full_env)
-    restore = _forward_signals(proc)
+    started: list[subprocess.Popen] = []
+    grace = (TORCH_SHUTDOWN_TIMEOUT_S if shutdown_timeout is None else shutdown_timeout) + SHUTDOWN_MARGIN_S
+    watch = PreemptionWatch(grace, window=0.0, forward=lambda signum: _signal_child(started, signum),
+                            stop=lambda: _kill_child(started))
     try:
-        rc = proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group): let it stop its ranks
-        try:
-            rc = proc.wait(timeout=60)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            proc.kill()
-            rc = proc.wait()
+        # the agent starts with them blocked: it unblocks them once it handles them (run_agent); one that comes
+        # here meanwhile is passed on when the block ends
+        with preemption_signals_blocked() if agent else contextlib.nullcontext():
+            started.append(subprocess.Popen(cmd, env=full_env))
+        rc = started[0].wait()
     finally:
-        restore()
+        watch.close()
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
 
 
-def _forward_signals(proc: subprocess.Popen) -> Callable[[], None]:
-    """Pass SIGTERM and SIGUSR1 on to ``proc`` while it runs (main thread only); returns what restores the
-    previous handlers. A preempted job's signal then reaches the ranks through their agent, which gives them the
-    preemption grace, rather than ending this process and leaving them to notice it is gone."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+def _signal_child(started: list[subprocess.Popen], signum: int) -> None:
+    if started and started[0].poll() is None:
+        started[0].send_signal(signum)
 
-    def forward(signum: int, frame: Any) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
 
-    saved = {sig: signal.signal(sig, forward) for sig in _PREEMPTION_SIGNALS}
-
-    def restore() -> None:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-    return restore
+def _kill_child(started: list[subprocess.Popen]) -> None:
+    """SIGKILL the child and, first, the ranks under it (they would exit on their own within WATCH_INTERVAL)."""
+    if not started:
+        return
+    for pid in rank_start.rank_pids(started[0].pid).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        started[0].kill()
+    except OSError:
+        pass
 
 
 class SpawnFailed(RuntimeError):
@@ -325,7 +345,8 @@ def exit_with_supervisor() -> bool:
 
 
 def _die_with_launcher(launcher: int) -> None:
-    """The agent: SIGTERM to itself (torch's launcher then stops its ranks) when ``launcher`` is gone."""
+    """The agent: SIGTERM to itself (its watch passes it on to the ranks, which exit anyway: their launcher is gone)
+    when ``launcher`` is gone."""
     def gone() -> bool:
         return os.getppid() != launcher or not pid_alive(launcher)
 
@@ -356,15 +377,21 @@ def run_agent(argv: Sequence[str]) -> int:
     forked from a preloaded fork server (:func:`clusterlm.launch.ranks.launch`).
 
     It dies with the launching process (``CLUSTERLM_LAUNCHER_PID``), tells the ranks its pid (so they exit
-    when it is gone), and reports a failed run by the first failing rank's line (:func:`first_failure`).
+    when it is gone), reports a failed run by the first failing rank's line (:func:`first_failure`), and on a
+    preemption signal (blocked since :func:`spawn` started it, until it watches them) waits for the ranks to stop
+    on it (:func:`clusterlm.launch.ranks.watch_agent_signals`; grace: ARGV's ``--shutdown-timeout``).
 
     Returns:
-        The exit status: 0, the first failure's status, or 128 + N when signal N stopped the run.
+        The exit status: 0, the first failure's status, ``PREEMPTED_EXIT`` when a preemption stopped the ranks, or
+        128 + N when signal N (SIGHUP, SIGQUIT) stopped the run.
     """
+    watch = rank_start.watch_agent_signals(_shutdown_timeout(argv) + SHUTDOWN_MARGIN_S)
     launcher = env_pid(LAUNCHER_PID_ENV)
     if launcher is not None:
         _die_with_launcher(launcher)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    rank_start.start_fork_server()  # with the signals blocked; it preloads while torch's launcher is imported here
+    unblock_preemption_signals()
     saved = os.environ.get("LOGLEVEL")
     os.environ["LOGLEVEL"] = "CRITICAL"  # read once, when torch's launcher modules make their loggers
     try:
@@ -382,12 +409,27 @@ def run_agent(argv: Sequence[str]) -> int:
     try:
         rank_start.launch(argv)
     except ChildFailedError as e:
+        if rank_start.agent_preempted():  # the ranks stopped on it (the launching process reports it)
+            return PREEMPTED_EXIT
         line, code = first_failure(e.failures, rank_start.KILLED_STOPPED)
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as e:
         return 128 + int(e.sigval)
+    finally:
+        watch.close()
     return 0
+
+
+def _shutdown_timeout(argv: Sequence[str]) -> float:
+    """torchrun's ``--shutdown-timeout`` in ARGV (:data:`TORCH_SHUTDOWN_TIMEOUT_S` when absent or unreadable)."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("--shutdown-timeout", "--shutdown_timeout"):
+            try:
+                return float(argv[i + 1])
+            except ValueError:
+                break
+    return float(TORCH_SHUTDOWN_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -526,3 +568,9 @@ def all_gather_objects(obj: Any, di: DistInfo) -> list[Any]:
     out: list[Any] = [None] * di.world_size
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def checked_by_launcher() -> bool:
+    """This process is a rank started by :func:`spawn_with_config` on the checksummed config file its launcher
+    checked (the command line verified the checksum, :func:`check_config_file`): its config is not checked again."""
+    return under_torchrun() and bool(os.environ.get(CONFIG_SHA_ENV))

@@ -15,26 +15,42 @@ own as torchrun starts a command (a terminal's Ctrl-C reaches the launcher, whic
 of an ordinary interpreter run at the end (a forked process skips them).
 
 ``torchrun -m clusterlm ...`` run by hand starts its ranks as commands, as before.
+
+Preemption in the agent (:mod:`clusterlm.launch.preemption`): torch's launcher would stop the ranks on the first
+SIGTERM / SIGINT (and die on a second, leaving them to exit unsupervised, unsaved). Here the agent's
+:class:`~clusterlm.launch.preemption.PreemptionWatch` (:func:`watch_agent_signals`) passes the first signal on to
+every rank, now and any it starts later, and the agent waits for them to exit, without restarts; a rank that exits
+with ``PREEMPTED_EXIT`` (it stopped on a signal only it got) is passed on the same way. The fork server and
+multiprocessing's resource tracker start with these signals blocked (:func:`start_fork_server`): a group signal
+must not end them (the ranks are the fork server's children and exit when it does).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import runpy
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from clusterlm.launch.environment import process_stopped
 from clusterlm.launch.failures import first_failure
+from clusterlm.launch.preemption import (
+    PREEMPTED_EXIT,
+    PREEMPTION_SIGNALS,
+    PreemptionWatch,
+    preemption_signals_blocked,
+    unblock_preemption_signals,
+)
 
-__all__ = ["KILLED_STOPPED", "PRELOAD", "RANK_NAME", "START_METHOD", "adapt_torch_agent", "launch", "rank_main",
-           "rank_pids", "start_fork_server"]
+__all__ = ["KILLED_STOPPED", "PRELOAD", "RANK_NAME", "START_METHOD", "adapt_torch_agent", "agent_preempted", "launch",
+           "rank_main", "rank_pids", "start_fork_server", "watch_agent_signals"]
 
 # What the fork server imports before it forks a rank: all a rank of train or select imports (the CLI loads the
 # package, torch and transformers; model code pulls torch's compiler stack, ~2 s of it). ImportErrors are skipped.
@@ -44,17 +60,41 @@ START_METHOD = "forkserver"
 RANK_NAME = "clusterlm-r"
 _PR_SET_NAME = 15
 KILLED_STOPPED: set[int] = set()  # pids of stopped ranks the agent in this process killed (never a run's cause)
+# The agent in this process: its PreemptionWatch, torch's agent whose ranks run now, the ranks told of the preemption
+_agent_watch: list[PreemptionWatch] = []
+_running_agent: list[Any] = []
+_told: set[int] = set()
 
 
 def start_fork_server() -> None:
     """Start the fork server now (:func:`launch` does, before the rendezvous: the server imports :data:`PRELOAD`
     while the agent meets the other nodes), with unbuffered output in the ranks (``python -u``). Idempotent."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     os.environ["PYTHONUNBUFFERED"] = "1"  # read when the server's interpreter starts; the ranks inherit its streams
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD))
-    forkserver.ensure_running()
+    # Both inherit the blocked preemption signals and keep them blocked: a group signal (Ctrl-C, SLURM's) leaves them
+    # be. The resource tracker unblocks SIGINT and SIGTERM in this thread once it has started: blocked again here.
+    # Its stderr is /dev/null: after a second signal killed this agent it would warn of the semaphores it cleans up.
+    with preemption_signals_blocked(), _stderr_to_devnull():
+        resource_tracker.ensure_running()
+    with preemption_signals_blocked():
+        forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull() -> Iterator[None]:
+    """File descriptor 2 of this process is /dev/null while the block runs (what a process started meanwhile gets)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def launch(argv: Sequence[str]) -> None:
@@ -77,6 +117,9 @@ def launch(argv: Sequence[str]) -> None:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    # the preemption signals are the agent's own (watch_agent_signals), not torch's "stop the ranks now"
+    preemption = {s.name for s in PREEMPTION_SIGNALS}
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() not in preemption)
     config, _, _ = config_from_args(args)
     config.start_method = START_METHOD
     start_fork_server()
@@ -84,8 +127,8 @@ def launch(argv: Sequence[str]) -> None:
 
 
 def adapt_torch_agent() -> None:
-    """Make torch's elastic agent (in this process) report every failed rank, spare no stopped one, and say why it
-    restarts. Idempotent.
+    """Make torch's elastic agent (in this process) report every failed rank, spare no stopped one, say why it
+    restarts, and wait for preempted ranks. Idempotent.
 
     Watching the ranks (``LocalElasticAgent._monitor_workers``): as soon as one rank has failed, a rank stopped by
     SIGSTOP is the hung one (the others timed out waiting for it) and gets SIGKILL at once, before torch's
@@ -93,14 +136,19 @@ def adapt_torch_agent() -> None:
     SIGTERM as a preemption and wait in a collective with the dead rank). The result then names every rank that
     failed, not only the one torch's multiprocessing saw first, so :func:`first_failure` can pick the cause; when a
     restart follows (``--max-restarts``), one line names the failure and the restart. Closing the ranks on a signal
-    (a preemption, ``MultiprocessContext._close``), a stopped rank is continued, so that it checkpoints with the others.
+    (``MultiprocessContext._close``), a stopped rank is continued, so that it can exit. Once the run is preempted
+    (:func:`agent_preempted`, or a rank exited with ``PREEMPTED_EXIT``) the agent passes the signal on to every rank
+    and reports the run as running until all have exited on their own (torch's multiprocessing would stop the others
+    at the first exit, in the middle of rank 0's checkpoint); then it fails without a restart.
     """
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
     if getattr(LocalElasticAgent._monitor_workers, "_clusterlm", False):
         return
-    monitor, close = LocalElasticAgent._monitor_workers, MultiprocessContext._close
+    monitor, start = LocalElasticAgent._monitor_workers, LocalElasticAgent._start_workers
+    close = MultiprocessContext._close
 
     def closing(self: Any, *args: Any, **kwargs: Any) -> None:
         for pid in (self.pids().values() if self._pc is not None else ()):
@@ -110,9 +158,19 @@ def adapt_torch_agent() -> None:
                 pass
         close(self, *args, **kwargs)
 
+    def starting(self: Any, worker_group: Any) -> Any:
+        if agent_preempted():  # the signal came before the ranks: none is started
+            raise SystemExit(PREEMPTED_EXIT)
+        _running_agent[:] = [self]
+        return start(self, worker_group)
+
     def monitored(self: Any, worker_group: Any) -> Any:
         processes = _processes(self._pcontext)
-        if any(p.exitcode not in (None, 0) for p in processes):
+        if _preempted(processes):
+            self._remaining_restarts = 0  # a preempted run resumes later, by the user's or the scheduler's hand
+            if any(p.exitcode is None for p in processes):
+                return RunResult(state=WorkerState.HEALTHY)
+        elif any(p.exitcode not in (None, 0) for p in processes):
             for p in processes:
                 if p.exitcode is None and process_stopped(p.pid):
                     try:
@@ -132,7 +190,58 @@ def adapt_torch_agent() -> None:
 
     monitored._clusterlm = True  # type: ignore[attr-defined]
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
     MultiprocessContext._close = closing  # type: ignore[method-assign]
+
+
+def watch_agent_signals(grace: float) -> PreemptionWatch:
+    """The agent's :class:`PreemptionWatch` (main thread): the first preemption signal goes on to the ranks (and to
+    any started later); a second one, or ``grace`` seconds without the ranks gone, kills them and ends the agent."""
+    watch = PreemptionWatch(grace, forward=_tell_ranks, stop=_kill_ranks)
+    _agent_watch[:] = [watch]
+    return watch
+
+
+def agent_preempted() -> bool:
+    """True once the agent in this process got a preemption signal, or a rank exited with ``PREEMPTED_EXIT``."""
+    return bool(_agent_watch) and _agent_watch[0].noted()
+
+
+def _preempted(processes: list[Any]) -> bool:
+    """Whether the run is preempted; when it is, every rank has been told (a rank that stopped on a signal only it
+    got, exiting with PREEMPTED_EXIT, makes it SIGTERM for the others)."""
+    if not _agent_watch:
+        return False
+    watch = _agent_watch[0]
+    if not watch.noted() and any(p.exitcode == PREEMPTED_EXIT for p in processes):
+        watch.trigger(signal.SIGTERM)
+    if watch.signal is not None:
+        _tell_ranks(watch.signal)
+    return watch.noted()
+
+
+def _rank_processes() -> list[Any]:
+    return _processes(_running_agent[0]._pcontext) if _running_agent else []
+
+
+def _tell_ranks(signum: int) -> None:
+    """Pass preemption signal ``signum`` on to every rank not told yet (continued, should it be stopped)."""
+    for p in _rank_processes():
+        if p.pid is not None and p.pid not in _told:
+            _told.add(p.pid)
+            for sig in (signum, signal.SIGCONT):
+                try:
+                    os.kill(p.pid, sig)
+                except OSError:  # it has exited
+                    pass
+
+
+def _kill_ranks() -> None:
+    for p in _rank_processes():
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except (OSError, TypeError):
+            pass
 
 
 def _processes(pcontext: Any) -> list[Any]:
@@ -161,6 +270,7 @@ def rank_main(module: str, *argv: str) -> None:
     import multiprocessing
 
     os.setsid()
+    unblock_preemption_signals()  # blocked in the fork server; this rank handles them as a command would
     _name_process(f"{RANK_NAME}{os.environ.get('RANK', '')}")
     # multiprocessing made the fork server's start method this process's default: back to the platform's, as in a
     # rank started as a command (a lock or a DataLoader worker made here must not go through the fork server)

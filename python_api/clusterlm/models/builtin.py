@@ -64,7 +64,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         build=_build_tiny_llama,
     ),
     "tiny-llama-pretrained": BuiltinModel(
-        description="tiny-llama after a short causal-LM pre-training on the demo's pretrain.txt (clusterlm.models.pretrain)",
+        description="tiny-llama after a short causal-LM pre-training on the demo's pretrain.txt "
+                    "(clusterlm.models.pretrain)",
         build=build_pretrained_tiny_llama,
     ),
 }

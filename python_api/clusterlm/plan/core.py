@@ -1,7 +1,8 @@
 """The Plan: its fields, their per-rank views, the checks against data and model, and its files.
 
 The invariants are :class:`~clusterlm.plan.invariants.PlanInvariants`', the text summary
-:class:`~clusterlm.plan.summary.PlanSummary`'s, the file format :mod:`clusterlm.plan.fileformat`'s; the :mod:`clusterlm.plan`
+:class:`~clusterlm.plan.summary.PlanSummary`'s, the file format :mod:`clusterlm.plan.fileformat`'s; the
+:mod:`clusterlm.plan`
 docstring describes the weights.
 """
 

@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,17 @@ from clusterlm.launch.launcher import (
     DistInfo,
     SpawnFailed,
     barrier,
+    checked_by_launcher,
     init_distributed,
     spawn_with_config,
     under_torchrun,
+)
+from clusterlm.launch.preemption import (
+    DEFAULT_GRACE_S,
+    PREEMPTED_EXIT,
+    SHUTDOWN_MARGIN_S,
+    Preempted,
+    PreemptionWatch,
 )
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
@@ -113,9 +122,10 @@ def run_select(job: SelectJob) -> Plan:
         SpawnFailed: the processes of an ``nproc > 1`` run failed (their line is printed already).
     """
     with removed_if_empty(job.out or ".", _wrote_output):
-        check_job(job)
+        if not checked_by_launcher():  # a launched rank's job was checked by its launcher
+            check_job(job)
         if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-            return _select(job, init_distributed(timeout=job.dist_timeout))
+            return _select_rank(job)
         if job.nproc > 1:
             return _spawn(job)
         return _select(job, None)
@@ -131,8 +141,68 @@ def _spawn(job: SelectJob) -> Plan:
     """Start ``job.nproc`` ranks on the job's config file (OUT/select_config.yaml); the plan rank 0 wrote."""
     env = {"CLUSTERLM_DEBUG": "1"} if job.debug else None  # the ranks show tracebacks too
     path = Path(job.out) / SELECT_CONFIG
-    spawn_with_config("select", path, job.save(path), job.nproc, env=env, max_restarts=job.max_restarts)
+    try:
+        spawn_with_config("select", path, job.save(path), job.nproc, env=env, max_restarts=job.max_restarts,
+                          shutdown_timeout=DEFAULT_GRACE_S + SHUTDOWN_MARGIN_S)
+    except SpawnFailed as e:
+        if e.code == PREEMPTED_EXIT:  # the ranks stopped on a preemption signal (they print nothing)
+            raise _preempted(job, "") from None
+        raise
     return Plan.load(job.out)
+
+
+def _select_rank(job: SelectJob) -> Plan:
+    """One rank of a process group. On a preemption signal (SIGTERM, SIGUSR1, SIGINT: to this rank, or passed on by
+    the agent) it stops after the feature shard in flight, or before the clustering, with :class:`Preempted`; the
+    stored shards are kept and a rerun completes the same plan. An error after the signal is the preemption too
+    (a peer that stopped ended a collective here). ``DEFAULT_GRACE_S`` without stopping ends the rank at once."""
+    watch = PreemptionWatch(DEFAULT_GRACE_S)
+
+    def stop() -> None:
+        if watch.noted():
+            raise _preempted(job, watch.signal_name)
+
+    try:
+        return _select(job, init_distributed(timeout=job.dist_timeout), stop)
+    except Preempted:
+        raise
+    except Exception:
+        if watch.noted():
+            raise _preempted(job, watch.signal_name) from None
+        raise
+    finally:
+        watch.close()
+
+
+def _preempted(job: SelectJob, signal_name: str) -> Preempted:
+    """The preemption of ``job``: the features stored so far, and how to continue."""
+    store = _store_path(job)
+    try:
+        rows = FeatureStore(store).rows_done()
+    except (OSError, ValueError):
+        rows = 0
+    config = Path(job.out) / SELECT_CONFIG  # kept with OUT once a shard is stored there (else OUT is removed)
+    kept = config.is_file() and _wrote_output(Path(job.out))
+    return Preempted(f"with the features of {rows} examples stored in {store} (a rerun reuses them)",
+                     f"clusterlm select --config {config}" if kept else "the same command", signal_name)
+
+
+class _StopsOnPreemption:
+    """A featurizer that calls ``stop()`` after each feature shard it stores (``stop`` raises on a preemption)."""
+
+    def __init__(self, featurizer: Any, stop: Callable[[], None]) -> None:
+        self._featurizer, self._stop = featurizer, stop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._featurizer, name)
+
+    def featurize_shards(self, *args: Any, on_shard: Callable[[int], None] | None = None, **kwargs: Any) -> Any:
+        def stored(index: int) -> None:
+            if on_shard is not None:
+                on_shard(index)
+            self._stop()
+
+        return self._featurizer.featurize_shards(*args, on_shard=stored, **kwargs)
 
 
 def _stage(show: bool, step: str, text: str) -> float:
@@ -141,8 +211,9 @@ def _stage(show: bool, step: str, text: str) -> float:
     return time.perf_counter()
 
 
-def _select(job: SelectJob, info: DistInfo | None) -> Plan:
-    """The stages on this process: alone (``info`` None) or as one rank of a process group."""
+def _select(job: SelectJob, info: DistInfo | None, stop: Callable[[], None] | None = None) -> Plan:
+    """The stages on this process: alone (``info`` None) or as one rank of a process group (``stop()`` raises
+    :class:`Preempted` after a preemption signal; called after each feature shard and before the clustering)."""
     main_rank = info is None or info.rank == 0
     show = main_rank and job.progress
     where = f" on {info.world_size} processes" if info else ""
@@ -166,7 +237,10 @@ def _select(job: SelectJob, info: DistInfo | None) -> Plan:
            + (f", sharded over {info.world_size} processes" if info else
               f", K-means, world size {job.config.world_size}"))
     t1 = time.perf_counter()
-    feats, cluster_fn, extra = _features(job, featurizer, data, store_dir, info, show)
+    feats, cluster_fn, extra = _features(job, featurizer if stop is None else _StopsOnPreemption(featurizer, stop),
+                                         data, store_dir, info, show)
+    if stop is not None:
+        stop()
     plan = select_from_features(
         feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
         timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn, resolved=s,

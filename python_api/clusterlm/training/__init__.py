@@ -1,1 +1,3 @@
-"""The reference trainer: `clusterlm.train(config)` in this process or on `nproc` ranks, one rank's loop, its checks, metrics and reporting, and `clusterlm demo`."""
+"""The reference trainer: `clusterlm.train(config)` in this process or on `nproc` ranks, one rank's loop, its checks,
+metrics and reporting, and `clusterlm demo`.
+"""

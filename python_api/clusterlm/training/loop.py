@@ -58,7 +58,7 @@ from clusterlm.launch.launcher import (
     in_process_group,
     under_torchrun,
 )
-from clusterlm.launch.preemption import Preempted, PreemptionWatch, record_preemption
+from clusterlm.launch.preemption import PreemptionWatch, TrainPreempted, record_preemption
 from clusterlm.models import check_model_id
 from clusterlm.plan import Plan
 from clusterlm.plan.sampler import PlanSampler
@@ -118,7 +118,7 @@ class Run:
     max_length: int
     model_id: str
     setup: dict[str, Any]
-    watch: PreemptionWatch | None = None  # SIGTERM / SIGUSR1: checkpoint this step and stop (clusterlm.launch.preemption)
+    watch: PreemptionWatch | None = None  # SIGTERM/SIGUSR1/SIGINT: checkpoint this step, stop (launch.preemption)
     progress: Progress | None = None  # this rank's step and operation, for a hang's message (clusterlm.launch.hangs)
 
     @property
@@ -148,8 +148,9 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     Args:
         config: the run's settings.
         build_plan: builds the plan from the tokenised data when ``config.plan`` names a baseline, not a
-            directory (:func:`clusterlm.training.run.train` passes :func:`clusterlm.selection.baselines.baseline_plan` for
-            ``full`` / ``random:...``); None: ``config.plan`` is a plan directory.
+            directory (:func:`clusterlm.training.run.train` passes
+            :func:`clusterlm.selection.baselines.baseline_plan` for ``full`` / ``random:...``); None: ``config.plan``
+            is a plan directory.
 
     Raises:
         ValueError / FileNotFoundError: bad arguments, a plan that does not fit the run or the data, an
@@ -172,7 +173,6 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     had_group = in_process_group()  # a caller's group stays; one made here is destroyed at the end
     run = state = progress = None
     watch = PreemptionWatch(config.preemption_grace)
-    finished = False
     try:
         di = setup_distributed(config)
         progress = Progress(Path(config.out), di.rank, di.world_size)
@@ -180,9 +180,7 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
         run.watch, run.progress = watch, progress
         state = start(run)
         loop(run, state)
-        summary = finish(run, state, time.perf_counter() - t_start)
-        finished = True
-        return summary
+        return finish(run, state, time.perf_counter() - t_start)
     except BaseException as e:
         if progress is not None and is_timeout(e):  # name the rank that is behind, not gloo's "Timed out waiting"
             hang = RuntimeError(progress.explain(config.dist_timeout))
@@ -193,7 +191,7 @@ def train_rank(config: TrainConfig, *, build_plan: PlanBuilder | None = None) ->
     finally:
         watch.close()
         if progress is not None:
-            progress.close(remove=finished and progress.rank == 0)
+            progress.close()  # however the run ends (clusterlm.launch.hangs)
         # DDP's reducer holds the process group: release it while the group is up, so that the group's
         # destructor does not run after destroy_process_group (gloo can deadlock there joining its workers).
         run = state = None
@@ -314,16 +312,16 @@ def loop(run: Run, state: State) -> None:
 
 
 def preemption_agreed(run: Run, state: State) -> bool:
-    """Whether any rank got SIGTERM / SIGUSR1 (every rank asks after every step: one all-reduce of one number)."""
+    """Whether any rank got a preemption signal (every rank asks after every step: one all-reduce of one number)."""
     if run.progress is not None:
         run.progress.mark(state.step, "the preemption check")
     return run.watch.agreed(run.di.device, run.di.distributed)
 
 
-def preempted(run: Run, state: State) -> Preempted:
-    """The :class:`Preempted` of this step (rank 0 records it in OUT for the launcher, and says it)."""
+def preempted(run: Run, state: State) -> TrainPreempted:
+    """The :class:`TrainPreempted` of this step (rank 0 records it in OUT for the launcher, and says it)."""
     found = find_checkpoint(run.out, LATEST)
-    exc = Preempted(run.out, state.step, None if found is None else str(found), run.watch.signal_name)
+    exc = TrainPreempted(run.out, state.step, None if found is None else str(found), run.watch.signal_name)
     if run.di.is_main:
         record_preemption(exc)
     return exc
@@ -388,8 +386,9 @@ def evaluate_now(run: Run, state: State) -> None:
 
 
 def checkpoint(run: Run, state: State) -> None:
-    """Every rank's generator states to rank 0; it writes the checkpoint (:func:`~clusterlm.engine.step.save_checkpoint`).
-    With --fsdp every rank writes its shards (:func:`~clusterlm.engine.step.save_sharded_checkpoint`)."""
+    """Every rank's generator states to rank 0; it writes the checkpoint
+    (:func:`~clusterlm.engine.step.save_checkpoint`). With --fsdp every rank writes its shards
+    (:func:`~clusterlm.engine.step.save_sharded_checkpoint`)."""
     if run.progress is not None:
         run.progress.mark(state.step, "the checkpoint")
     rng = all_gather_objects(rng_state(run.di.device), run.di)

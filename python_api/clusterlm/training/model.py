@@ -33,7 +33,8 @@ def build_model(config: TrainConfig, di: DistInfo) -> tuple[torch.nn.Module, Any
     """Load the model (optionally with LoRA) on this rank's device; ``(model, tokenizer, model_id)``.
 
     The weights go straight from the files to ``di.device`` in :func:`weights_dtype` (no float32 host copy); under
-    FSDP they load on the host and each shard moves to the device as it is sharded (:func:`clusterlm.engine.fsdp.shard_model`).
+    FSDP they load on the host and each shard moves to the device as it is sharded
+    (:func:`clusterlm.engine.fsdp.shard_model`).
     """
     dtype = weights_dtype(config.dtype, config.lora_r > 0, di.device)
     torch.manual_seed(config.seed)  # the same LoRA initialisation on every rank (DDP broadcasts rank 0's anyway)

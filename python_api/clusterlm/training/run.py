@@ -128,18 +128,18 @@ import torch
 
 from clusterlm.config.training import TRAIN_CONFIG, TrainConfig
 from clusterlm.engine.fsdp import CPU_ALLOCATOR_ENV
+from clusterlm.engine.step import LATEST, find_checkpoint
 from clusterlm.launch.failures import removed_if_empty
-from clusterlm.launch.launcher import CONFIG_SHA_ENV, SpawnFailed, spawn_with_config, under_torchrun
-from clusterlm.launch.preemption import read_preempted
+from clusterlm.launch.hangs import remove_progress
+from clusterlm.launch.launcher import SpawnFailed, checked_by_launcher, spawn_with_config, under_torchrun
+from clusterlm.launch.preemption import PREEMPTED_EXIT, SHUTDOWN_MARGIN_S, Preempted, read_preempted
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines import baseline_plan, is_baseline_spec
 from clusterlm.training.checks import check_inputs, check_unlocked, plan_world_size, world_size_error
 from clusterlm.training.loop import train_rank
 from clusterlm.training.metrics import CURVE, METRICS, SUMMARY
 
-__all__ = ["SHUTDOWN_MARGIN_S", "SpawnFailed", "TrainResult", "train"]
-
-SHUTDOWN_MARGIN_S = 10.0  # seconds the agent waits beyond the preemption grace before it kills the ranks
+__all__ = ["SpawnFailed", "TrainResult", "train"]
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> 
         ImportError: report_to names a package that is not installed.
         LockedError: another live run holds ``out``.
         SpawnFailed: a rank of a launched run failed (its message is printed already); ``.code`` is the status.
-        Preempted: SIGTERM or SIGUSR1 stopped the run after a checkpoint (:mod:`clusterlm.launch.preemption`).
+        Preempted: SIGTERM, SIGUSR1 or SIGINT stopped the run after a checkpoint (:mod:`clusterlm.launch.preemption`).
     """
     if isinstance(config, Mapping):  # a dict of settings: through the config's own loader (unknown names refused)
         config = TrainConfig.from_dict(config, "train(config)")
@@ -235,11 +235,6 @@ def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> 
             check_inputs(config, plan_dir=not is_baseline_spec(config.plan))
         return _train(config)
 
-
-def checked_by_launcher() -> bool:
-    """This process is a rank started by :func:`clusterlm.launch.launcher.spawn_with_config` on the checksummed
-    config file its launcher checked (the CLI verified the checksum before parsing)."""
-    return under_torchrun() and bool(os.environ.get(CONFIG_SHA_ENV))
 
 
 def _train(config: TrainConfig) -> TrainResult:
@@ -261,12 +256,25 @@ def _train(config: TrainConfig) -> TrainResult:
         spawn_with_config("train", path, sha, nproc, nnodes=nnodes, rdzv_endpoint=config.rdzv_endpoint,
                           rdzv_id=config.rdzv_id, env=env, max_restarts=config.max_restarts,
                           shutdown_timeout=config.preemption_grace + SHUTDOWN_MARGIN_S)
-    except SpawnFailed:
-        preempted = read_preempted(config.out, since=started)
-        if preempted is not None:  # the ranks checkpointed and stopped on SIGTERM / SIGUSR1
+    except SpawnFailed as e:
+        preempted = read_preempted(config.out, since=started)  # the ranks checkpointed and stopped on a signal
+        if preempted is None and e.code == PREEMPTED_EXIT:
+            preempted = _preempted_before_a_step(config)
+        if preempted is not None:
             raise preempted from None
         raise
+    finally:
+        remove_progress(config.out)  # those of ranks that were killed (the others removed theirs)
     return TrainResult.read(config.out)
+
+
+def _preempted_before_a_step(config: TrainConfig) -> Preempted:
+    """A preemption that stopped the ranks before they had trained a step (none recorded it)."""
+    found = find_checkpoint(config.out, LATEST)  # of an earlier run in OUT
+    if found is None:
+        return Preempted("before the ranks had trained a step: no checkpoint", "the same command")
+    return Preempted(f"before the ranks had trained a step: the latest checkpoint is {found}",
+                     f"clusterlm train --config {Path(config.out) / TRAIN_CONFIG} --resume")
 
 
 def _with_plan(config: TrainConfig, plan: Plan) -> TrainConfig:

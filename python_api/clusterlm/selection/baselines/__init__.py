@@ -120,7 +120,8 @@ def baseline_plan(
         if model is None:
             raise ValueError(
                 f"baseline_plan: {name} selects with the model; pass model= (e.g. from clusterlm.models.load_model), "
-                f"or build the plan with clusterlm.selection.baselines.{name}_plan and pass its directory to the trainer."
+                f"or build the plan with clusterlm.selection.baselines.{name}_plan and pass its directory to the "
+                "trainer."
             )
         amount = _ratio_or_count(spec, spec.split(":", 1)[1])
         return MODEL_BASELINES[name](model, dataset, world_size, **amount, seed=seed, token_balance=token_balance,

@@ -2,7 +2,8 @@
 single-process training loop with checkpoint callbacks.
 
 One loop serves S2L's proxy training and LESS's LoRA warm-up: :func:`train_loop` is built from the
-training engine the reference trainer uses (:mod:`clusterlm.engine.step`: :func:`~clusterlm.engine.step.build_optimizer`,
+training engine the reference trainer uses (:mod:`clusterlm.engine.step`:
+:func:`~clusterlm.engine.step.build_optimizer`,
 AdamW with decay on matrices only; :func:`~clusterlm.engine.step.build_scheduler`; the step
 :func:`~clusterlm.engine.step.train_step` on weight-1 micro-batches from
 :func:`~clusterlm.engine.step.make_micro_batches`), so the baselines train the way the trainer does, in one
@@ -12,8 +13,10 @@ process. Their plans are built by :mod:`clusterlm.selection.baselines._plans`.
 cut at ``batch_tokens`` padded tokens) so little compute goes to padding; the loss is
 :func:`clusterlm.engine.loss.per_example_loss` (mean next-token cross entropy over answer tokens).
 
-Settings travel as frozen dataclasses (:class:`TrainLoopConfig` here, :class:`~clusterlm.selection.baselines.less.LessConfig`,
-:class:`~clusterlm.selection.baselines.s2l.S2LConfig`); :func:`apply_settings` lays a call's keyword overrides over one, so
+Settings travel as frozen dataclasses (:class:`TrainLoopConfig` here,
+:class:`~clusterlm.selection.baselines.less.LessConfig`,
+:class:`~clusterlm.selection.baselines.s2l.S2LConfig`); :func:`apply_settings` lays a call's keyword overrides over one,
+so
 ``train_loop(model, data, idx, epochs=2, lr=1e-3)`` and ``train_loop(model, data, idx, TrainLoopConfig(2, 1e-3))``
 are the same call.
 """

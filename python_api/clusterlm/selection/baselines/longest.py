@@ -12,7 +12,8 @@ A token budget (``token_ratio`` / ``token_budget``, prompt + answer tokens) take
 
 Ties in answer length are broken by a seeded random draw, so seeds differ only there (and in the visit order).
 Every selected example has weight 1 and the selection is allocated like the random baseline's
-(:func:`clusterlm.selection.baselines._plans.plan_from_selection`), so a comparison differs only in which examples train.
+(:func:`clusterlm.selection.baselines._plans.plan_from_selection`), so a comparison differs only in which examples
+train.
 """
 
 from __future__ import annotations

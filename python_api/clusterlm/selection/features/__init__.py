@@ -43,7 +43,8 @@ and only the ``lora_B`` half of a ``"lora"`` feature carries anything; the featu
 Examples whose labels (after the causal shift) are all ``-100`` are refused with a ``ValueError``
 naming the example's index (their mean loss is undefined); nothing of their shard is written.
 
-Modules: :mod:`~clusterlm.selection.features.featurizer` (``GradientFeaturizer``: settings, ``config()``, the shard loop),
+Modules: :mod:`~clusterlm.selection.features.featurizer` (``GradientFeaturizer``: settings, ``config()``, the shard
+loop),
 :mod:`~clusterlm.selection.features.gradients` (one batch: hooks, forward, lm-head gradient, backward),
 :mod:`~clusterlm.selection.features.layers` (the presets, the lm head, the layers, the feature size) and
 :mod:`~clusterlm.selection.features.batching` (examples, the feature window, windows, token-bounded batches, packing).

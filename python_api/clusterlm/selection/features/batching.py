@@ -79,7 +79,8 @@ def known_length(data: Any) -> int | None:
 
 
 def feature_window(labels: np.ndarray, feature_tokens: int) -> tuple[int, int]:
-    """The ``[lo, hi)`` token window that a ``feature_tokens`` feature looks at (the :mod:`clusterlm.selection.features` docstring).
+    """The ``[lo, hi)`` token window that a ``feature_tokens`` feature looks at (the :mod:`clusterlm.selection.features`
+    docstring).
 
     Args:
         labels: (T,) int labels, -100 on prompt tokens, with at least one answer label after position 0.

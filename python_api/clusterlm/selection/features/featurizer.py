@@ -1,7 +1,9 @@
 """GradientFeaturizer: its settings, its description (``config()``), and the loop over a data set's windows.
 
-The per-batch work (hooks, forward, backward) is :class:`clusterlm.selection.features.gradients.BatchGradients`'s; the layer
-choice :mod:`clusterlm.selection.features.layers`'; the windows and batches :mod:`clusterlm.selection.features.batching`'. Here: the
+The per-batch work (hooks, forward, backward) is :class:`clusterlm.selection.features.gradients.BatchGradients`'s; the
+layer
+choice :mod:`clusterlm.selection.features.layers`'; the windows and batches
+:mod:`clusterlm.selection.features.batching`'. Here: the
 constructor's checks, :meth:`GradientFeaturizer.config` (what a store is keyed by), the batch size that fits the
 device, and the one shard loop (:meth:`GradientFeaturizer._shard_loop`) under :meth:`~GradientFeaturizer.featurize`
 and :meth:`~GradientFeaturizer.featurize_shards`, with its store: a shard stored for exactly these examples is skipped.
@@ -71,7 +73,8 @@ class GradientFeaturizer(BatchGradients):
         backend: kernel backend passed to the ``cluster_kernels`` ops (``"auto"`` picks Triton on CUDA).
         max_chunk_elems: logits alive at once when computing the lm-head gradient (memory bound).
         feature_tokens: feature window: at most this many tokens per example (the answer's start with a
-            little prompt context; the :mod:`clusterlm.selection.features` docstring), or None for whole examples. Must be >= 2.
+            little prompt context; the :mod:`clusterlm.selection.features` docstring), or None for whole examples. Must
+            be >= 2.
         layers / max_tokens: the former names of ``features`` / ``feature_tokens`` (deprecated; warn).
 
     Tied embeddings: with an lm head tied to the input embedding, the feature is the gradient of the head's

@@ -1,7 +1,9 @@
 """The features of one batch: the hooks, the forward pass, the lm-head gradient and the activation-only backward.
 
-:class:`BatchGradients` is the part of :class:`clusterlm.selection.features.GradientFeaturizer` that computes the features of
-one packed batch of checked examples (the module docstring of :mod:`clusterlm.selection.features` gives the maths): a pre-hook
+:class:`BatchGradients` is the part of :class:`clusterlm.selection.features.GradientFeaturizer` that computes the
+features of
+one packed batch of checked examples (the module docstring of :mod:`clusterlm.selection.features` gives the maths): a
+pre-hook
 on the lm head keeps its input hidden states and hands the model empty logits, forward hooks on the chosen layers
 project each layer's gradient as soon as it arrives (:func:`cluster_kernels.project_linear_grads`), and the lm head's
 gradient is computed in token chunks (no ``(B, T, V)`` logits tensor). The random projections are cached per

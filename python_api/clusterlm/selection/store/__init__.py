@@ -61,8 +61,10 @@ a live process holds it, waits for that process's record instead of computing it
 succeed and one writer at a time is assumed.)
 
 Modules: :mod:`~clusterlm.selection.store.feature_store` (``FeatureStore``: manifest, begin, write, read),
-:mod:`~clusterlm.selection.store.claims` (shard claims), :mod:`~clusterlm.selection.store.checks` (checksums, dropped blocks),
-:mod:`~clusterlm.selection.store.assembly` (``features.npy``) and :mod:`~clusterlm.selection.store.files` (file names, npy files).
+:mod:`~clusterlm.selection.store.claims` (shard claims), :mod:`~clusterlm.selection.store.checks` (checksums, dropped
+blocks),
+:mod:`~clusterlm.selection.store.assembly` (``features.npy``) and :mod:`~clusterlm.selection.store.files` (file names,
+npy files).
 """
 
 from clusterlm.selection.store.feature_store import FeatureStore

@@ -19,7 +19,8 @@ __all__ = ["StoreAssembly"]
 
 
 class StoreAssembly:
-    """Reading shards back and assembling ``features.npy`` (a part of :class:`~clusterlm.selection.store.FeatureStore`)."""
+    """Reading shards back and assembling ``features.npy`` (a part of
+    :class:`~clusterlm.selection.store.FeatureStore`)."""
 
     def read_shard(self, index: int) -> np.ndarray:
         """Shard ``index`` as a read-only memmap (before ``finalize``), or its rows of ``features.npy``.

@@ -2,7 +2,8 @@
 
 A shard is claimed while it is computed: ``shard_<index>.claim``, a :class:`clusterlm.fileio.FileLock` holding its
 holder's pid and host (the lock dies with the process, so a killed writer's claim is free at once).
-:class:`ShardClaims` is the part of :class:`clusterlm.selection.store.FeatureStore` that takes, waits for and releases claims.
+:class:`ShardClaims` is the part of :class:`clusterlm.selection.store.FeatureStore` that takes, waits for and releases
+claims.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _LOG = logging.getLogger("clusterlm.selection.store")
 
 
 class ShardClaims:
-    """Claims of a :class:`~clusterlm.selection.store.FeatureStore` (its ``path``, ``_claims``, ``_implicit``, ``_writer``,
+    """Claims of a :class:`~clusterlm.selection.store.FeatureStore` (its ``path``, ``_claims``, ``_implicit``,
+    ``_writer``,
     ``complete``, ``reload()`` and ``_shards()`` are the store's)."""
 
     def _claim_path(self, key: int | str) -> Path:

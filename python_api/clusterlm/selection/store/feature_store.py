@@ -1,8 +1,10 @@
 """FeatureStore: the store's directory and manifest, starting or resuming it, writing shards, reading features.
 
-Claims are :class:`~clusterlm.selection.store.claims.ShardClaims`', checks :class:`~clusterlm.selection.store.checks.StoreChecks`', the
+Claims are :class:`~clusterlm.selection.store.claims.ShardClaims`', checks
+:class:`~clusterlm.selection.store.checks.StoreChecks`', the
 assembly of ``features.npy`` :class:`~clusterlm.selection.store.assembly.StoreAssembly`'s; the file formats are
-:mod:`clusterlm.selection.store.files`'. The :mod:`clusterlm.selection.store` docstring describes the layout and the guarantees.
+:mod:`clusterlm.selection.store.files`'. The :mod:`clusterlm.selection.store` docstring describes the layout and the
+guarantees.
 """
 
 from __future__ import annotations
