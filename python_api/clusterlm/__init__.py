@@ -47,6 +47,7 @@ _PUBLIC = {
     "TrainResult": "clusterlm.training.run",
     "compare": "clusterlm.comparison.run",
     "CompareResult": "clusterlm.comparison.output",
+    "execute_program": "clusterlm.tasks.sandbox",
 }
 __all__ = sorted(_PUBLIC)
 

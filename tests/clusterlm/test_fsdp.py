@@ -335,11 +335,11 @@ def test_checkpoint_discovery_and_compare_pass_through(env, tmp_path, monkeypatc
 
     # --fsdp reaches the config, its file and the ranks that read it
     parser = cli.train_parser()
-    config = TrainConfig(**parse_config(parser, ["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--fsdp"]))
+    config = cli.train_config(parse_config(parser, ["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--fsdp"]))
     assert config.fsdp
     config.save(tmp_path / TRAIN_CONFIG)
     assert TrainConfig.load(tmp_path / TRAIN_CONFIG) == config
-    assert TrainConfig(**parse_config(parser, ["--config", str(tmp_path / TRAIN_CONFIG)])) == config
+    assert cli.train_config(parse_config(parser, ["--config", str(tmp_path / TRAIN_CONFIG)])) == config
     # clusterlm compare --fsdp: every unit's TrainConfig has fsdp=True
     cmp = cli.compare_config(parse_config(cli.compare_parser(), [
         "--model", "tiny-llama", "--data", str(env.train), "--eval-data", str(env.heldout), "--methods", "random",

@@ -14,15 +14,20 @@ import pytest
 from clusterlm.cli import commands as cli
 from clusterlm.cli.options import option_fields
 from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
+from clusterlm.config.demo import DemoConfig
+from clusterlm.config.export import ExportConfig, ExportJob
 from clusterlm.config.files import checksum, field_help
 from clusterlm.config.selection import SelectConfig
+from clusterlm.config.tasks import TaskConfig
 from clusterlm.config.training import TrainConfig
 from clusterlm.launch.launcher import CONFIG_SHA_ENV, check_config_file
 from clusterlm.selection.pipeline import SelectJob
 
 PARSERS = {"select": (cli.select_parser, [SelectJob, SelectConfig], ()),
-           "train": (cli.train_parser, [TrainConfig], ()),
-           "compare": (cli.compare_parser, [CompareConfig, TrainConfig], TRAIN_PER_UNIT)}
+           "train": (cli.train_parser, [TrainConfig, TaskConfig], ()),
+           "compare": (cli.compare_parser, [CompareConfig, TrainConfig, TaskConfig], TRAIN_PER_UNIT),
+           "export": (cli.export_parser, [ExportJob, ExportConfig], ()),
+           "demo": (cli.demo_parser, [DemoConfig], ())}
 
 
 def _dests(parser) -> dict[str, list[str]]:
@@ -50,7 +55,8 @@ def test_every_field_has_one_option_and_every_option_one_field(command):
         assert dashed in strings or f"--no-{name.replace('_', '-')}" in strings, (name, strings)
 
 
-@pytest.mark.parametrize("cls", [SelectJob, SelectConfig, TrainConfig, CompareConfig])
+@pytest.mark.parametrize("cls", [SelectJob, SelectConfig, TrainConfig, CompareConfig, TaskConfig, ExportJob,
+                                 ExportConfig, DemoConfig])
 def test_every_option_has_help_from_the_docstring(cls):
     helps = field_help(cls)
     missing = [f.name for f in option_fields(cls) if not helps.get(f.name)]
@@ -61,7 +67,7 @@ def test_old_spellings_still_parse():
     values = cli.train_parser().parse_into(
         ["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--model-dtype", "float32", "--no-progress",
          "--no-epoch-shuffle", "--no-initial-eval", "--no-save-model", "--resume", "--overwrite", "--fsdp"])[0]
-    config = TrainConfig(**values)
+    config = cli.train_config(values)
     assert (config.dtype, config.progress, config.epoch_shuffle, config.initial_eval, config.save_model) == (
         "float32", False, False, False, False)
     assert (config.resume, config.overwrite, config.fsdp) == ("latest", True, True)
@@ -97,7 +103,7 @@ def test_config_file_with_an_override(tmp_path):
     path.write_text("plan: p\nmodel: tiny-llama\ndata: d.jsonl\nout: o\nlr: 1.0e-4\nmax_steps: 7\n"
                     "report_to: [tensorboard]\n", encoding="utf-8")
     values = cli.train_parser().parse_into(["--config", str(path), "--lr", "2e-4"])[0]
-    config = TrainConfig(**values)
+    config = cli.train_config(values)
     assert (config.lr, config.max_steps, config.report_to, config.plan) == (2e-4, 7, ("tensorboard",), "p")
     saved = tmp_path / "out.yaml"
     config.save(saved)
@@ -105,7 +111,7 @@ def test_config_file_with_an_override(tmp_path):
     # a JSON file works the same way
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"plan": "p", "model": "m", "data": "d", "out": "o", "seed": 3}), encoding="utf-8")
-    assert TrainConfig(**cli.train_parser().parse_into(["--config", str(js)])[0]).seed == 3
+    assert cli.train_config(cli.train_parser().parse_into(["--config", str(js)])[0]).seed == 3
 
 
 def test_unknown_key_names_the_closest_field(tmp_path, capsys):

@@ -80,7 +80,7 @@ def _train(argv: list[str]) -> int:
 def _config(argv: list[str]) -> TrainConfig:
     """The TrainConfig ``clusterlm train ARGV`` runs (its options parsed by
     :func:`clusterlm.cli.commands.train_parser`)."""
-    return TrainConfig(**parse_config(cli.train_parser(), argv))
+    return cli.train_config(parse_config(cli.train_parser(), argv))
 
 
 def _argv(env, out: Path, plan: str | Path, *extra: str) -> list[str]:
@@ -414,7 +414,7 @@ def test_config_round_trip_and_torchrun_commands(tmp_path):
     parser = cli.train_parser()
     argv = ["--plan", "p", "--model", "m", "--data", "d.jsonl", "--out", "o", "--nproc", "2", "--lr", "0.0003",
             "--resume", "--no-progress", "--lora-r", "8", "--bf16", "off", "--max-steps", "7"]
-    config = TrainConfig(**parse_config(parser, argv))
+    config = cli.train_config(parse_config(parser, argv))
     # the CLI spellings (--no-progress, --resume alone) parse into the TrainConfig fields
     assert config == TrainConfig(plan="p", model="m", data="d.jsonl", out="o", nproc=2, lr=3e-4, resume=LATEST,
                                  progress=False, lora_r=8, bf16="off", max_steps=7)
@@ -423,13 +423,13 @@ def test_config_round_trip_and_torchrun_commands(tmp_path):
     sha = config.save(path)
     assert sha == checksum(path.read_text(encoding="utf-8"))
     assert TrainConfig.load(path) == config
-    assert TrainConfig(**parse_config(parser, ["--config", str(path)])) == config
-    assert TrainConfig(**parse_config(parser, ["--config", str(path), "--lr", "0.001"])).lr == 1e-3  # options win
+    assert cli.train_config(parse_config(parser, ["--config", str(path)])) == config
+    assert cli.train_config(parse_config(parser, ["--config", str(path), "--lr", "0.001"])).lr == 1e-3  # options win
     # the ranks get the file, not a rebuilt command line: no launcher option reaches them
     cmd = torchrun_command(["train", "--config", str(path)], 2)
     ranks = cmd[cmd.index("-m", 2) + 1:]
     assert ranks == [PACKAGE_ENTRY, "train", "--config", str(path)] and "--nproc" not in ranks
-    assert TrainConfig(**parse_config(parser, ranks[2:])).lr == 3e-4
+    assert cli.train_config(parse_config(parser, ranks[2:])).lr == 3e-4
 
     cmd = torchrun_command(["train", "--plan", "p"], 4)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--signals-to-handle",

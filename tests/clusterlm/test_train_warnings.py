@@ -79,7 +79,7 @@ def test_bf16_auto_is_on_only_on_cuda(monkeypatch):
 
 
 def _args(*extra: str) -> TrainConfig:
-    return TrainConfig(**parse_config(cli.train_parser(), ["--plan", "full", "--model", "tiny-llama", "--data",
+    return cli.train_config(parse_config(cli.train_parser(), ["--plan", "full", "--model", "tiny-llama", "--data",
                                                            "d.jsonl", "--out", "o", *extra]))
 
 

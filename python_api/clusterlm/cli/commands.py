@@ -27,6 +27,7 @@ from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_t
 from clusterlm.config.demo import DemoConfig
 from clusterlm.config.export import ExportConfig, ExportJob
 from clusterlm.config.selection import SelectConfig, SelectJob
+from clusterlm.config.tasks import TaskConfig
 from clusterlm.config.training import TrainConfig
 from clusterlm.fileio import LockedError, StorageError
 from clusterlm.integrations.export import export_files
@@ -67,9 +68,10 @@ def select_parser() -> ConfigArgumentParser:
 
 
 def train_parser() -> ConfigArgumentParser:
-    """``clusterlm train``: :class:`TrainConfig`'s fields."""
+    """``clusterlm train``: :class:`TrainConfig`'s fields and its task settings' (:class:`TaskConfig`)."""
     parser = ConfigArgumentParser("clusterlm train", COMMANDS["train"])
     parser.add_config(TrainConfig)
+    parser.add_config(TaskConfig)
     return parser
 
 
@@ -79,12 +81,18 @@ def compare_parser() -> ConfigArgumentParser:
     parser.add_config(CompareConfig, title="comparison")
     parser.add_config(TrainConfig, exclude=TRAIN_PER_UNIT, defaults=dataclasses.asdict(compare_train_defaults()),
                       title="training of every unit (TrainConfig)")
+    parser.add_config(TaskConfig)
     return parser
 
 
 def _split(values: dict[str, Any], cls: type) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in values.items() if k in names}
+
+
+def train_config(values: dict[str, Any]) -> TrainConfig:
+    """The :class:`TrainConfig` of ``clusterlm train``'s parsed values (its task settings nested)."""
+    return TrainConfig(**_split(values, TrainConfig), tasks=TaskConfig(**_split(values, TaskConfig)))
 
 
 def select_job(values: dict[str, Any], debug: bool = False) -> SelectJob:
@@ -96,7 +104,8 @@ def select_job(values: dict[str, Any], debug: bool = False) -> SelectJob:
 def compare_config(values: dict[str, Any]) -> CompareConfig:
     """The :class:`CompareConfig` of ``clusterlm compare``'s parsed values."""
     train_values = {k: v for k, v in _split(values, TrainConfig).items() if k not in TRAIN_PER_UNIT}
-    return CompareConfig(**_split(values, CompareConfig), train=compare_train_defaults().replace(**train_values))
+    train = compare_train_defaults().replace(**train_values, tasks=TaskConfig(**_split(values, TaskConfig)))
+    return CompareConfig(**_split(values, CompareConfig), train=train)
 
 
 def export_parser() -> ConfigArgumentParser:
@@ -127,7 +136,7 @@ def cmd_select(values: dict[str, Any], debug: bool) -> int:
 def cmd_train(values: dict[str, Any], debug: bool) -> int:
     """``clusterlm train`` (errors: :func:`main`'s map; in a rank of ``--nproc N`` every failure is one line that
     the launcher prints for the rank that failed first, :func:`clusterlm.launch.launcher.report_failure`)."""
-    train(TrainConfig(**values))
+    train(train_config(values))
     return 0
 
 

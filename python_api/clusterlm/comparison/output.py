@@ -8,7 +8,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from clusterlm.comparison.evaluation import eval_set_tables, without_examples
+from clusterlm.comparison.metrics import (
+    LOSS,
+    decided_metric,
+    metric_rows,
+    metric_verdicts,
+    task_metric_names,
+)
 from clusterlm.comparison.statistics import TOKEN_MATCH, frontier, goals, per_token, summarize, verdicts
 from clusterlm.config.comparison import CLUSTER_METHODS, parse_method
 
@@ -48,7 +57,7 @@ class CompareResult:
 
     @property
     def verdicts(self) -> list[str]:
-        return verdicts(self.summary)
+        return decision_verdicts(self.summary, self.data.get("decide_by", LOSS))
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -84,10 +93,15 @@ class CompareResult:
 
 
 def build_result(methods: list[str], seeds: list[int], ratios: list[float], settings: dict[str, Any],
-                 keys: dict[float, str],
-            records: list[dict[str, Any]], eval_meta: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``compare.json``: the settings, the evaluation sets, per ratio the per-method summary, the frontier, the
-    records (without their per-example losses: ``eval_losses.json``)."""
+                 keys: dict[float, str], records: list[dict[str, Any]], eval_meta: list[dict[str, Any]] | None = None,
+                 *, decide_by: str | None = None) -> dict[str, Any]:
+    """``compare.json``: the settings, the evaluation sets, per ratio the per-method summary (task metrics under
+    ``metrics``), the frontier, the metric the verdicts decide on (``decide_by``), the records (without their
+    per-example losses: ``eval_losses.json``; with their per-problem task scores).
+
+    Raises:
+        ValueError: ``decide_by`` names a metric no unit measured.
+    """
     first = records[0] if records else {}
     sets_of_first = first.get("eval_sets") or {}
     eval_meta = [{**m, "evaluated": first.get("n_eval") if m["primary"] else  # the primary: without LESS's tail
@@ -97,15 +111,63 @@ def build_result(methods: list[str], seeds: list[int], ratios: list[float], sett
     by_ratio = {}
     for ratio in ratios:
         at = [r for r in records if r["method"] != "full" and r["ratio"] == ratio] + full
-        by_ratio[f"{ratio:g}"] = summarize(at, methods, names)
+        by_ratio[f"{ratio:g}"] = with_task_metrics(summarize(at, methods, names), at, methods)
     summary = by_ratio[f"{ratios[0]:g}"]
+    metric = decided_metric(decide_by, records)
     points = frontier(records, methods, ratios)
+    if metric != LOSS:
+        for point in points:
+            rs = [r for r in records if r["method"] == point["method"]
+                  and (point["method"] == "full" or r["ratio"] == point["ratio"])]
+            row = metric_rows(rs, [point["method"]], metric).get(point["method"])
+            point.update({"metric": row["mean"], "metric_ci95": row["ci95"]} if row else {})
     reused = sum(1 for r in records if r.get("features_reused"))
     return {"settings": {**settings, "ratio": ratios[0], "ratios": ratios}, "key": keys[ratios[0]],
-            "methods": methods, "seeds": seeds, "ratios": ratios, "summary": summary,
+            "methods": methods, "seeds": seeds, "ratios": ratios, "summary": summary, "decide_by": metric,
             "summary_by_ratio": by_ratio, "frontier": points, "per_token": per_token(points, methods, ratios[0]),
             "features_note": _features_note(records, reused), "goals": goals(summary), "eval_sets": eval_meta,
             "records": [without_examples(r) for r in records]}
+
+
+def with_task_metrics(summary: dict[str, dict[str, Any]], records: list[dict[str, Any]],
+                      methods: list[str]) -> dict[str, dict[str, Any]]:
+    """``summary`` with, per method, ``metrics`` (every task metric's row: :func:`metric_rows`) and
+    ``task_eval_s`` (mean evaluation seconds, apart from selection and training), when the units measured tasks."""
+    for name in task_metric_names(records):
+        for m, row in metric_rows(records, methods, name).items():
+            if m in summary:
+                summary[m].setdefault("metrics", {})[name] = row
+    for m, row in summary.items():
+        seconds = [r["task_eval_s"] for r in records if r["method"] == m and r.get("task_eval_s") is not None]
+        if seconds:
+            row["task_eval_s"] = float(np.mean(seconds))
+    return summary
+
+
+def decision_verdicts(summary: dict[str, dict[str, Any]], metric: str) -> list[str]:
+    """The ``verdict:`` lines on the metric the comparison decides by: held-out loss (:func:`verdicts`) or a task
+    metric (:func:`clusterlm.comparison.metrics.metric_verdicts`)."""
+    if metric == LOSS:
+        return verdicts(summary)
+    rows = {m: r["metrics"][metric] for m, r in summary.items() if metric in (r.get("metrics") or {})}
+    return metric_verdicts(rows, metric, tokens={m: r.get("tokens") for m, r in summary.items()})
+
+
+def _task_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Task metrics per method: mean [95 % interval] over seeds and problems; the evaluation's seconds."""
+    names = list(dict.fromkeys(n for r in summary.values() for n in (r.get("metrics") or {})))
+    if not names:
+        return []
+    lines = ["| method | " + " | ".join(f"{n} [95 %]" for n in names) + " | task evaluation s |",
+             "|---|" + "---:|" * (len(names) + 1)]
+    for m, r in summary.items():
+        cells = []
+        for n in names:
+            row = (r.get("metrics") or {}).get(n)
+            cells.append("-" if row is None else f"{row['mean']:.4f} [{row['ci95'][0]:.4f}, {row['ci95'][1]:.4f}]")
+        seconds = r.get("task_eval_s")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {'-' if seconds is None else f'{seconds:.1f}'} |")
+    return lines
 
 
 def _features_note(records: list[dict[str, Any]], reused: int) -> str:
@@ -128,7 +190,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     for ratio, summary in by_ratio.items():
         if len(by_ratio) > 1:
             lines += ["", f"### ratio {ratio}"]
-        lines += ["", *_summary_table(summary), "", *verdicts(summary)]
+        tasks = _task_table(summary)
+        lines += ["", *_summary_table(summary), *(["", *tasks] if tasks else []), "",
+                  *decision_verdicts(summary, result.get("decide_by", LOSS))]
         if len(result.get("eval_sets") or []) > 1:
             lines += eval_set_tables(summary, result["eval_sets"])
     if len(by_ratio) > 1:

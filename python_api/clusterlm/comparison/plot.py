@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from clusterlm.comparison.metrics import LOSS, lower_is_better
+
 __all__ = ["compare_figure", "plot_compare"]
 
 REFERENCES = ("random", "full")
@@ -65,7 +67,8 @@ def compare_figure(result: dict[str, Any]) -> Any:
         ax.set_label(label)
     n_eval = _n_eval(result)
     ratio = _ratio(result)
-    _quality_panel(ax_q, summary, order, n_eval, ratio)
+    view, what = decision_view(result)
+    _quality_panel(ax_q, view, _order(view), n_eval, ratio, what)
     _cost_panel(ax_c, summary, order, ratio)
     points = _frontier_points(result)
     _frontier_panel(ax_fs, points, "total_s", "total seconds (selection + training, mean over seeds)",
@@ -169,9 +172,34 @@ def _row_note(summary: dict[str, Any], m: str, refs: list[str]) -> str:
 # --- panels -----------------------------------------------------------------------------------------------------
 
 
+def decision_view(result: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The summary the quality panel draws, and what it measures: the held-out loss, or the task metric the
+    comparison decides by (``decide_by``), its differences turned so that left is better (reference - method for a
+    metric where higher is better)."""
+    summary, metric = result.get("summary") or {}, result.get("decide_by") or LOSS
+    if metric == LOSS:
+        return summary, "held-out loss"
+    sign = 1.0 if lower_is_better(metric) else -1.0
+    view = {}
+    for m, row in summary.items():
+        mrow = (row.get("metrics") or {}).get(metric) or {}
+        new = {k: v for k, v in row.items() if "_vs_" not in k}
+        new["eval_loss"] = None  # no loss fallback: a method without the metric shows none
+        for ref in REFERENCES:
+            if mrow.get(f"ci95_vs_{ref}") is not None:
+                lo, hi = mrow[f"ci95_vs_{ref}"]
+                new.update({f"delta_vs_{ref}": sign * mrow[f"delta_vs_{ref}"],
+                            f"ci95_vs_{ref}": sorted([sign * lo, sign * hi]),
+                            f"paired_vs_{ref}": mrow[f"paired_vs_{ref}"],
+                            f"interval_vs_{ref}": mrow[f"interval_vs_{ref}"]})
+        view[m] = new
+    return view, metric if sign > 0 else f"{metric} (reference \u2212 method: higher is better)"
+
+
 def _quality_panel(ax: Any, summary: dict[str, Any], order: list[str], n_eval: int | None,
-                   ratio: float | None) -> None:
-    """Differences against random / full with their 95 % intervals, a line at 0, one row per method."""
+                   ratio: float | None, what: str = "held-out loss") -> None:
+    """Differences against random / full with their 95 % intervals, a line at 0, one row per method (``what``: the
+    held-out loss or a task metric, :func:`decision_view`)."""
     from matplotlib.lines import Line2D
     from matplotlib.transforms import offset_copy
 
@@ -187,7 +215,8 @@ def _quality_panel(ax: Any, summary: dict[str, Any], order: list[str], n_eval: i
             yy = i + offsets[ref]
             style = _REF_STYLE[ref]
             if d is None:
-                ax.text(0, yy, "  no held-out loss", va="center", fontsize=8, color="grey", gid=f"missing:{ref}:{m}")
+                ax.text(0, yy, f"  no {what.split(' (')[0]}", va="center", fontsize=8, color="grey",
+                        gid=f"missing:{ref}:{m}")
                 continue
             drawn += [ref] if ref not in drawn else []
             values.append(d)
@@ -213,7 +242,8 @@ def _quality_panel(ax: Any, summary: dict[str, Any], order: list[str], n_eval: i
     common = set(notes) - {"reference"}
     one_note = len(common) == 1
     recorded = any(f"delta_vs_{r}" in row for row in summary.values() for r in refs)
-    xlabel = "held-out loss difference: method \u2212 reference" + (" (95 % interval)" if recorded else "")
+    xlabel = (f"{what} difference: method \u2212 reference" if what == "held-out loss" else f"{what} difference") + (
+        " (95 % interval)" if recorded else "")
     if one_note:  # one note for every row: said once, under the axis
         xlabel += f"\n{common.pop()}"
     else:
@@ -225,7 +255,7 @@ def _quality_panel(ax: Any, summary: dict[str, Any], order: list[str], n_eval: i
     ax.text(1.0, 1.005, WORSE, transform=ax.transAxes, ha="right", va="bottom", fontsize=9, color="darkred")
     at = f" at ratio {ratio:g}" if ratio is not None else ""
     on = f", {n_eval} evaluation examples" if n_eval else ""
-    ax.set_title(f"held-out loss vs {' and vs '.join(refs) or 'a reference'}{at}{on}", pad=18, fontsize=10.5)
+    ax.set_title(f"{what.split(' (')[0]} vs {' and vs '.join(refs) or 'a reference'}{at}{on}", pad=18, fontsize=10.5)
     ax.grid(axis="x", alpha=0.3)
     if drawn:
         handles = [Line2D([], [], linestyle="none", label=f"vs {r}", **_REF_STYLE[r]) for r in drawn]

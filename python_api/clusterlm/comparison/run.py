@@ -103,6 +103,7 @@ from clusterlm.comparison.evaluation import (
     read_eval_sets,
     set_losses,
 )
+from clusterlm.comparison.metrics import item_scores
 from clusterlm.comparison.output import FEATURES, CompareResult, build_result, markdown_table
 from clusterlm.comparison.plot import plot_compare
 from clusterlm.config.comparison import (
@@ -126,7 +127,7 @@ from clusterlm.plan import Plan
 from clusterlm.selection.baselines import full_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
 from clusterlm.selection.select import feature_settings, select
 from clusterlm.selection.store import FeatureStore
-from clusterlm.training.loop import INITIAL_EVAL_EXAMPLES
+from clusterlm.training.loop import INITIAL_EVAL_EXAMPLES, TASK_RECORDS
 from clusterlm.training.run import train
 
 __all__ = ["EVAL_LOSSES", "STATE", "compare", "read_state", "selected_tokens", "selection_threads", "selection_tokens"]
@@ -153,6 +154,8 @@ def _settings(config: CompareConfig, data_path: str, eval_path: str,
         out["eval_sets"] = eval_key
     if config.budget != "examples":  # (example budgets key as before: earlier records stay reusable)
         out["budget"] = config.budget
+    if t.tasks.eval_task:  # (runs without tasks key as before)
+        out["tasks"] = t.tasks.to_dict()
     return out
 
 
@@ -292,7 +295,7 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
             torch.set_num_threads(saved_threads)
     records = [done[u] for u in wanted]
     result = build_result(list(config.methods), list(config.seeds), config.all_ratios, settings, keys, records,
-                          eval_meta)
+                          eval_meta, decide_by=config.decide_by)
     atomic_write_text(out / EVAL_LOSSES, json.dumps(eval_losses_file(records, [m["name"] for m in eval_meta])) + "\n")
     atomic_write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(out / "compare.md", markdown_table(result) + "\n")
@@ -502,7 +505,7 @@ class _Session:
             "tokens": summary["tokens"], "timings": plan.timings, "plan_config": plan.config,
             "features_reused": reused, "selection_measured_s": measured_s, "model_load_s": self.model_load_s,
             "selection_tokens": selection_tokens(method, plan, self.data.lengths),
-            **selected_tokens(plan, self.data.lengths),
+            **selected_tokens(plan, self.data.lengths), **task_fields(run_dir / "train", summary),
         }
 
     def _select_unit(self, method: str, seed: int, run_dir: Path, key: str,
@@ -592,3 +595,16 @@ def _charge_features(store: Path, plan: Any, measured_s: float, reused: bool) ->
     computed_s = float(json.loads(cost.read_text(encoding="utf-8"))["features_s"])
     plan.timings = {**plan.timings, "features": computed_s, "features_read": features_s}
     return measured_s - features_s + computed_s
+
+
+def task_fields(train_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """A unit's task metrics for its record: ``task_metrics`` (after training), ``task_scores`` (per metric, a
+    score per problem: :func:`clusterlm.comparison.metrics.item_scores`), ``task_eval_s``; {} without tasks."""
+    metrics = summary.get("task_metrics")
+    if not metrics:
+        return {}
+    path = train_dir / TASK_RECORDS
+    records = json.loads(path.read_text(encoding="utf-8"))["records"] if path.is_file() else {}
+    return {"task_metrics": metrics, "task_scores": item_scores(records, metrics),
+            "initial_task_metrics": summary.get("initial_task_metrics"),
+            "task_eval_s": float(summary.get("task_eval_time_s") or 0.0)}

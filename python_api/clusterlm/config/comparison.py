@@ -259,6 +259,9 @@ class CompareConfig(Config):
         s2l_epochs: epochs of S2L's proxy training.
         less_epochs: epochs of LESS's LoRA warm-up.
         less_dim: LESS's projected gradient dimension.
+        decide_by: the metric the verdicts, the frontier and compare.png's interval panel use: loss (the held-out
+            answer-token loss) or a task metric NAME/METRIC of --eval-task (humaneval/pass@1, mytask/acc); default:
+            the first task metric, else loss.
         train: the training settings of every unit (clusterlm train's; plan, data, out, seed and the evaluation
             set are compare's per unit): a mapping over compare's defaults (:func:`compare_train_defaults`;
             ``{"max_steps": 5}`` is ``--max-steps 5``), or a whole :class:`TrainConfig`, used as it is.
@@ -281,6 +284,7 @@ class CompareConfig(Config):
     s2l_epochs: int = 1
     less_epochs: int = 4
     less_dim: int = 1024
+    decide_by: str | None = field(default=None, metadata={"metavar": "loss|NAME/METRIC"})
     train: TrainConfig = field(default_factory=compare_train_defaults, metadata={"cli": False})
 
     COMMAND: ClassVar[str] = "compare"
@@ -341,7 +345,19 @@ class CompareConfig(Config):
                 "steps as the subsets, so 'total vs full' would mean nothing; drop --max-steps (use a smaller --data) "
                 "or drop 'full'."
             )
+        self._check_decide_by()
         for label in self.methods:  # variants' settings against this world size and budget, before any model work
             spec = parse_method(label)
             for ratio in ratios if spec.base in CLUSTER_METHODS else (ratios[0],):
                 check_variant(spec, self.world_size, ratio, self.budget)
+
+    def _check_decide_by(self) -> None:
+        value = self.decide_by
+        if value is None or value == "loss":
+            return
+        tasks = [s.name for s in self.train.tasks.tasks]
+        name = str(value).partition("/")[0]
+        if not isinstance(value, str) or "/" not in value or name not in tasks:
+            known = ", ".join(f"{n}/METRIC" for n in tasks) or "no --eval-task given"
+            raise ValueError(f"compare: --decide-by {value!r}: expected loss or a task metric NAME/METRIC of an "
+                             f"--eval-task ({known}), e.g. --decide-by humaneval/pass@1.")

@@ -18,6 +18,7 @@ from clusterlm.config.base import Config
 from clusterlm.config.defaults import LATEST
 from clusterlm.config.files import field_help
 from clusterlm.config.readers import non_negative_int_arg, positive_int_arg, string_list_arg
+from clusterlm.config.tasks import TaskConfig
 
 __all__ = ["LATEST", "REPORT_INSTALL", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
 
@@ -125,6 +126,8 @@ class TrainConfig(Config):
         progress: a progress bar (--no-progress: log lines instead).
         report_to: where rank 0 also logs the scalars of metrics.jsonl: none, tensorboard, wandb (comma-separated
             for several; OUT/tensorboard, or a W&B run named after OUT).
+        tasks: task metrics after training (and before, with initial_task_eval): code pass@k and lm-eval tasks
+            (:class:`clusterlm.config.tasks.TaskConfig`; its options sit beside these on the command line).
     """
 
     plan: str | None = field(default=None, metadata=meta(WHAT, per_run=True))
@@ -184,6 +187,7 @@ class TrainConfig(Config):
     progress: bool = field(default=True, metadata=meta(LOG))
     report_to: tuple[str, ...] = field(
         default=(), metadata=meta(LOG, metavar="none|tensorboard|wandb", parse=string_list_arg))
+    tasks: TaskConfig = field(default_factory=TaskConfig, metadata={"cli": False})
 
     COMMAND: ClassVar[str] = "train"
 
@@ -191,6 +195,8 @@ class TrainConfig(Config):
         # A list (from YAML or Python) becomes a tuple, a comma string a tuple: the config stays hashable and frozen.
         if isinstance(self.report_to, (str, list)):
             object.__setattr__(self, "report_to", string_list_arg(self.report_to))
+        if isinstance(self.tasks, dict):  # a config file's or a caller's mapping of task settings
+            object.__setattr__(self, "tasks", TaskConfig.from_dict(self.tasks, "TrainConfig.tasks"))
 
     # -- checks --------------------------------------------------------------------------------------------
 
@@ -229,6 +235,14 @@ class TrainConfig(Config):
         self._check_lora()
         self._check_report_to()
         self._check_fsdp()
+        if not isinstance(self.tasks, TaskConfig):
+            raise TypeError(f"train: tasks must be a TaskConfig (or a mapping of its settings), got "
+                            f"{type(self.tasks).__name__}.")
+        self.tasks.check()
+        if self.tasks.eval_task and self.fsdp:
+            raise ValueError("train: --eval-task generates with the whole model on rank 0, which --fsdp shards over "
+                             "the ranks; evaluate the saved model (OUT/model) in a separate run, or train without "
+                             "--fsdp.")
         if self.dtype in WEIGHT_DTYPE_RESOLUTION and not self.lora_r:
             raise ValueError(
                 f"train: --dtype {self.dtype} without LoRA trains the weights themselves in {self.dtype}, where an "

@@ -96,15 +96,8 @@ TORCH_SHUTDOWN_TIMEOUT_S = 30  # torchrun's --shutdown-timeout when none is give
 # How often a rank looks whether its supervisor is still there (seconds).
 WATCH_INTERVAL = 0.2
 # The agent: torch's launcher in this process (see run_agent); its arguments are torchrun's. It needs this module and
-# torch's launcher only, so it imports the package without running clusterlm/__init__.py (the public API loads
-# transformers and the models: ~1.2 s of CPU more per launch and restart): an empty package module with this
-# directory as its path stands in for it.
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
-_AGENT_CODE = (
-    f"import sys, types; package = types.ModuleType('clusterlm'); package.__path__ = [{_PACKAGE_DIR!r}]; "
-    "sys.modules['clusterlm'] = package; from clusterlm.launch.launcher import run_agent; "
-    "sys.exit(run_agent(sys.argv[1:]))"
-)
+# torch's launcher only; importing the package costs nothing more (clusterlm/__init__.py loads its public names lazily).
+_AGENT_CODE = "import sys; from clusterlm.launch.launcher import run_agent; sys.exit(run_agent(sys.argv[1:]))"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -386,12 +379,24 @@ def run_agent(argv: Sequence[str]) -> int:
         128 + N when signal N (SIGHUP, SIGQUIT) stopped the run.
     """
     watch = rank_start.watch_agent_signals(_shutdown_timeout(argv) + SHUTDOWN_MARGIN_S)
-    launcher = env_pid(LAUNCHER_PID_ENV)
-    if launcher is not None:
-        _die_with_launcher(launcher)
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    rank_start.start_fork_server()  # with the signals blocked; it preloads while torch's launcher is imported here
-    unblock_preemption_signals()
+    try:
+        launcher = env_pid(LAUNCHER_PID_ENV)
+        if launcher is not None:
+            _die_with_launcher(launcher)
+        os.environ[AGENT_PID_ENV] = str(os.getpid())
+        rank_start.start_fork_server()  # with the signals blocked; it preloads while torch's launcher is imported
+        unblock_preemption_signals()  # one that came meanwhile is handled now
+        if watch.noted():  # preempted before any rank started: nothing to wait for
+            return PREEMPTED_EXIT
+        return _launch(argv)
+    finally:
+        watch.close()
+        if rank_start.agent_preempted():  # a fork server still preloading would hold the run's output open
+            rank_start.stop_fork_server()
+
+
+def _launch(argv: Sequence[str]) -> int:
+    """:func:`run_agent` once its signals are watched: torch's launcher, quiet, and the run's exit status."""
     saved = os.environ.get("LOGLEVEL")
     os.environ["LOGLEVEL"] = "CRITICAL"  # read once, when torch's launcher modules make their loggers
     try:
@@ -416,8 +421,6 @@ def run_agent(argv: Sequence[str]) -> int:
         return code
     except SignalException as e:
         return 128 + int(e.sigval)
-    finally:
-        watch.close()
     return 0
 
 

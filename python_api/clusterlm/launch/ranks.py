@@ -50,7 +50,7 @@ from clusterlm.launch.preemption import (
 )
 
 __all__ = ["KILLED_STOPPED", "PRELOAD", "RANK_NAME", "START_METHOD", "adapt_torch_agent", "agent_preempted", "launch",
-           "rank_main", "rank_pids", "start_fork_server", "watch_agent_signals"]
+           "rank_main", "rank_pids", "start_fork_server", "stop_fork_server", "watch_agent_signals"]
 
 # What the fork server imports before it forks a rank: all a rank of train or select imports (the CLI loads the
 # package, torch and transformers; model code pulls torch's compiler stack, ~2 s of it). ImportErrors are skipped.
@@ -81,6 +81,19 @@ def start_fork_server() -> None:
         resource_tracker.ensure_running()
     with preemption_signals_blocked():
         forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """SIGKILL this process's fork server, when it runs (a preempted agent's: still preloading, it would keep the
+    run's output streams open for seconds after the run ended)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ from clusterlm.launch.preemption import PreemptionWatch, TrainPreempted, record_
 from clusterlm.models import check_model_id
 from clusterlm.plan import Plan
 from clusterlm.plan.sampler import PlanSampler
+from clusterlm.tasks import run_tasks
 from clusterlm.training.checks import (
     PlanBuilder,
     baseline,
@@ -90,7 +91,10 @@ from clusterlm.training.metrics import (
 from clusterlm.training.model import bf16_cpu_warning, build_model, use_bf16
 from clusterlm.training.reporting import Reporters
 
-__all__ = ["INITIAL_EVAL_EXAMPLES", "Run", "State", "train_rank", "versions"]
+__all__ = ["INITIAL_EVAL_EXAMPLES", "INITIAL_TASK_RECORDS", "TASK_RECORDS", "Run", "State", "evaluate_tasks",
+           "train_rank", "versions"]
+TASK_RECORDS = "task_records.json"  # in OUT: the last task evaluation's metrics and per-problem records
+INITIAL_TASK_RECORDS = "initial_task_records.json"  # in OUT: the same before training (initial_task_eval)
 
 INITIAL_EVAL_EXAMPLES = "eval_examples_initial.json"  # the per-example losses of the evaluation before training
 
@@ -284,6 +288,8 @@ def loop(run: Run, state: State) -> None:
     """Optimizer steps until ``total_steps``, epoch after epoch, with evaluations and checkpoints on schedule."""
     if state.step == 0 and run.config.initial_eval:
         evaluate_now(run, state)
+    if state.step == 0 and run.config.tasks.initial_task_eval:
+        evaluate_tasks(run, state)
     bar = None
     if run.di.is_main and run.config.progress:
         from tqdm.auto import tqdm
@@ -385,6 +391,30 @@ def evaluate_now(run: Run, state: State) -> None:
     run.say(f"step {state.step}: held-out loss {loss:.4f} ({n_tok} answer tokens)")
 
 
+def evaluate_tasks(run: Run, state: State) -> None:
+    """Task metrics of the model at this step (code pass@k, lm-eval tasks: :func:`clusterlm.tasks.run_tasks`), logged
+    as a ``task`` record with their per-problem records in ``OUT/task_records.json`` (before training also in
+    ``initial_task_records.json``). Rank 0 alone evaluates (generation needs the whole model in one process): after
+    training the other ranks finish; before it they wait at the first step (within --dist-timeout)."""
+    if not run.config.tasks.eval_task or not run.di.is_main:
+        return
+    if run.progress is not None:
+        run.progress.mark(state.step, "the task evaluation")
+    model = getattr(run.model, "module", run.model)  # DDP's wrapper: generate with the model itself
+    was_training = model.training
+    try:
+        results = run_tasks(model, run.tokenizer, run.config.tasks, device=run.di.device,
+                            progress=run.config.progress)
+    finally:
+        model.train(was_training)
+    record = {"step": state.step, "metrics": results.metrics, "records": results.records}
+    for name in (TASK_RECORDS, INITIAL_TASK_RECORDS) if state.step == 0 else (TASK_RECORDS,):
+        atomic_write_json(run.out / name, record, indent=None)
+    state.log.append({"kind": "task", "step": state.step, "metrics": results.metrics, "task_time": results.seconds})
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in results.metrics.items())
+    run.say(f"step {state.step}: {shown} (tasks evaluated in {results.seconds:.1f} s)")
+
+
 def checkpoint(run: Run, state: State) -> None:
     """Every rank's generator states to rank 0; it writes the checkpoint
     (:func:`~clusterlm.engine.step.save_checkpoint`). With --fsdp every rank writes its shards
@@ -411,6 +441,8 @@ def finish(run: Run, state: State, wall: float) -> dict[str, Any]:
     """The final evaluation, the summary; rank 0 saves the model, the curve and summary.json."""
     if not any(r.get("kind") == "eval" and r["step"] == state.step for r in state.log.records):
         evaluate_now(run, state)
+    if not any(r.get("kind") == "task" and r["step"] == state.step for r in state.log.records):
+        evaluate_tasks(run, state)
     summary = summarize(state.log.records, state.counters, run.config, run.di, run.plan, run.total_steps, wall,
                         state.resumed_from)
     if uses_fsdp(run.config) and run.config.save_model:  # every rank sends its shards to rank 0

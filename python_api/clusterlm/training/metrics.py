@@ -132,7 +132,19 @@ def summarize(records: list[dict[str, Any]], counters: dict[str, Any], config: A
         "initial_eval_loss": evals[0]["eval_loss"] if evals and evals[0]["step"] == 0 else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "resumed_from": resumed_from,
+        **task_summary([r for r in records if r["kind"] == "task"], train_recs),
     }
+
+
+def task_summary(tasks: list[dict[str, Any]], train_recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``task_metrics`` (after the last step), ``initial_task_metrics`` (before the first, with initial_task_eval)
+    and ``task_eval_time_s`` (all task evaluations) of a run's ``task`` records; empty without tasks."""
+    if not tasks:
+        return {}
+    last_step = train_recs[-1]["step"] if train_recs else 0
+    return {"task_metrics": tasks[-1]["metrics"] if tasks[-1]["step"] >= last_step else None,
+            "initial_task_metrics": tasks[0]["metrics"] if tasks[0]["step"] == 0 else None,
+            "task_eval_time_s": float(sum(r.get("task_time", 0.0) for r in tasks))}
 
 
 def summary_text(s: dict[str, Any], out: Path) -> str:
@@ -151,6 +163,11 @@ def summary_text(s: dict[str, Any], out: Path) -> str:
     if s["final_eval_loss"] is not None:
         before = f"{s['initial_eval_loss']:.4f} -> " if s["initial_eval_loss"] is not None else ""
         lines.append(f"held-out loss (answer tokens): {before}{s['final_eval_loss']:.4f}")
+    for name, value in (s.get("task_metrics") or {}).items():
+        before = (s.get("initial_task_metrics") or {}).get(name)
+        lines.append(f"{name}: {'' if before is None else f'{before:.4f} -> '}{value:.4f}")
+    if s.get("task_eval_time_s"):
+        lines.append(f"task evaluation: {s['task_eval_time_s']:.1f} s (apart from the training time)")
     if s["step_token_max_over_mean"] is not None:
         lines.append(f"per-step tokens across ranks, max/mean: {s['step_token_max_over_mean']:.3f} "
                      f"(padded {s['step_padded_token_max_over_mean']:.3f})")

@@ -47,12 +47,15 @@ class Reporters:
                                   project=os.environ.get("WANDB_PROJECT", "clusterlm"))
 
     def log(self, record: dict[str, Any]) -> None:
-        """Log one metrics.jsonl record (``kind`` train or eval) at its step."""
+        """Log one metrics.jsonl record (``kind`` train, eval or task) at its step."""
         if not self.writers and self.run is None:
             return
         kind = record.get("kind", "train")
-        names = EVAL_SCALARS if kind == "eval" else TRAIN_SCALARS
-        scalars = {f"{kind}/{k}": float(record[k]) for k in names if record.get(k) is not None}
+        if kind == "task":  # task metrics: task/humaneval/pass@1, ...
+            scalars = {f"task/{k}": float(v) for k, v in record.get("metrics", {}).items() if v is not None}
+        else:
+            names = EVAL_SCALARS if kind == "eval" else TRAIN_SCALARS
+            scalars = {f"{kind}/{k}": float(record[k]) for k in names if record.get(k) is not None}
         for w in self.writers:
             for tag, value in scalars.items():
                 w.add_scalar(tag, value, global_step=int(record["step"]))

@@ -157,6 +157,8 @@ class TrainResult:
         train_time_s: training seconds (sum over steps of the slowest rank's step time).
         wall_time_s: the run's wall time on rank 0 (loading and evaluation included).
         tokens: prompt + answer tokens trained (all ranks).
+        task_metrics / initial_task_metrics: ``{"humaneval/pass@1": 0.07, ...}`` after the last step and before the
+            first (with initial_task_eval); empty without tasks.
         summary: everything of ``summary.json``.
         paths: ``metrics``, ``summary``, ``curve``, ``config`` (train_config.yaml), ``checkpoints``, ``model``
             (when written), ``tensorboard`` (with report_to tensorboard).
@@ -173,6 +175,8 @@ class TrainResult:
     tokens: int
     summary: dict[str, Any] = field(repr=False)
     paths: dict[str, Path] = field(repr=False)
+    task_metrics: dict[str, float] = field(default_factory=dict)
+    initial_task_metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, out: str | os.PathLike, summary: dict[str, Any] | None = None) -> TrainResult:
@@ -196,7 +200,8 @@ class TrainResult:
                    initial_eval_loss=summary.get("initial_eval_loss"), eval_loss=summary.get("final_eval_loss"),
                    train_time_s=float(summary.get("train_time_s") or 0.0),
                    wall_time_s=float(summary.get("wall_time_s") or 0.0), tokens=int(summary.get("tokens") or 0),
-                   summary=summary, paths=paths)
+                   summary=summary, paths=paths, task_metrics=dict(summary.get("task_metrics") or {}),
+                   initial_task_metrics=dict(summary.get("initial_task_metrics") or {}))
 
 
 def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> TrainResult:
