@@ -59,7 +59,7 @@ from cluster_kernels.lm_head_features_reference import (
 )
 from cluster_kernels.project_linear_grads import project_linear_grads_triton, resolve_backend, segment_outer_sum
 
-__all__ = ["IGNORE_INDEX", "LM_HEAD_MODES", "lm_head_features", "lm_head_features_ref"]
+__all__ = ["IGNORE_INDEX", "LM_HEAD_MODES", "example_mean_nll", "lm_head_features", "lm_head_features_ref"]
 
 _OP = "lm_head_features"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -353,6 +353,7 @@ def lm_head_features(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     max_chunk_elems: int = DEFAULT_MAX_CHUNK_ELEMS,
+    losses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-example lm-head gradient features without materialising the ``(T, V)`` logits.
 
@@ -370,6 +371,9 @@ def lm_head_features(
         out: optional float32 tensor of the result's shape to accumulate into.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` | ``"cpu"`` (alias of torch); ``"cuda"`` is refused.
         max_chunk_elems: torch path only: logits alive at a time (memory bound).
+        losses: optional ``(B,)`` floating tensor on ``h``'s device that receives each example's mean cross-entropy
+            ``mean_t (lse_t - z_t[y_t])`` over its counted tokens (0 without one), from the same vocabulary pass
+            (overwritten, not accumulated).
 
     Returns:
         float32 tensor (float64 for float64 inputs on the torch backend when ``out`` is None).
@@ -385,9 +389,13 @@ def lm_head_features(
     counts = counts_per_example(labels, cu)
     if mode == "paper":
         raise_if_empty_examples(counts)
+    if losses is not None and (losses.shape != (len(cu) - 1,) or not losses.is_floating_point()
+                               or losses.device != h.device):
+        raise ValueError(f"{_OP}: losses must be a floating ({len(cu) - 1},) tensor on {h.device}, got "
+                         f"{tuple(losses.shape)} {losses.dtype} on {losses.device}.")
     compute = functools.partial(
         _features, h, weight, labels, cu, counts, p_in=p_in, p_out=p_out, mode=mode, bias=bias,
-        token_weights=token_weights, max_chunk_elems=max_chunk_elems,
+        token_weights=token_weights, max_chunk_elems=max_chunk_elems, losses=losses,
     )
     check = False
     if chosen == "triton":
@@ -423,8 +431,9 @@ def _verify_prefix(got: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, lab
 def _features(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu: np.ndarray, counts: np.ndarray,
               chosen: str, out: torch.Tensor | None, *, p_in: torch.Tensor | None, p_out: torch.Tensor | None,
               mode: str, bias: torch.Tensor | None, token_weights: torch.Tensor | None,
-              max_chunk_elems: int) -> torch.Tensor:
-    """The features on the ``chosen`` backend, added to ``out`` (a new tensor when None)."""
+              max_chunk_elems: int, losses: torch.Tensor | None = None) -> torch.Tensor:
+    """The features on the ``chosen`` backend, added to ``out`` (a new tensor when None); ``losses`` receives each
+    example's mean cross-entropy from the same pass."""
     n_ex = len(cu) - 1
     ct = torch.float64 if (h.dtype == torch.float64 and chosen == "torch") else torch.float32
     if out is None:
@@ -441,12 +450,24 @@ def _features(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu: n
         lse, z_y, readout = _vocab_pass_triton(hv, weight, bias, yv, p_out_c)
     else:
         lse, z_y, readout = _vocab_pass_torch(hv, weight, bias, yv, p_out_c, max_chunk_elems)
+    if losses is not None:
+        losses.copy_(example_mean_nll(lse, z_y, cu_v))
     if mode == "paper":
         return _paper_features(h, hv, z_y, lse, counts, cu_v, ct, out)
     wv = None
     if token_weights is not None:
         wv = token_weights if all_valid else token_weights.index_select(0, valid_idx)
     return _projected_features(chosen, hv, yv, readout, p_in, p_out_c, wv, cu_v, ct, out)
+
+
+def example_mean_nll(lse: torch.Tensor, z_y: torch.Tensor, cu_v: np.ndarray) -> torch.Tensor:
+    """Per example, the mean of ``lse_t - z_y_t`` over its counted tokens (rows ``cu_v[b]:cu_v[b+1]``), float64, 0 for
+    an example without one; summed in order (a float64 running sum: deterministic on every device)."""
+    nll = (lse.to(torch.float64) - z_y.to(torch.float64))
+    csum = torch.cat([nll.new_zeros(1), torch.cumsum(nll, 0)])
+    cu_t = torch.from_numpy(np.asarray(cu_v, dtype=np.int64)).to(nll.device)
+    counts = (cu_t[1:] - cu_t[:-1]).to(torch.float64)
+    return (csum[cu_t[1:]] - csum[cu_t[:-1]]) / counts.clamp_min(1.0)
 
 
 def _paper_features(h: torch.Tensor, hv: torch.Tensor, z_y: torch.Tensor, lse: torch.Tensor, counts: np.ndarray,

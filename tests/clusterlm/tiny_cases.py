@@ -41,6 +41,7 @@ def run_compare(config: CompareConfig) -> int:
     Checks first that those values parse back to ``config``."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(CompareConfig) if f.name != "train"}
     values |= {f.name: getattr(config.train, f.name) for f in dataclasses.fields(config.train)
-               if f.name not in compare_config.TRAIN_PER_UNIT}
+               if f.name not in compare_config.TRAIN_PER_UNIT and f.metadata.get("cli", True)}
+    values |= {f.name: getattr(config.train.tasks, f.name) for f in dataclasses.fields(config.train.tasks)}
     assert cli.compare_config(values) == config
     return cli.cmd_compare(values, False)

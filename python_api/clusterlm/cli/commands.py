@@ -86,7 +86,7 @@ def compare_parser() -> ConfigArgumentParser:
 
 
 def _split(values: dict[str, Any], cls: type) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
     return {k: v for k, v in values.items() if k in names}
 
 

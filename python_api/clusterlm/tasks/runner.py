@@ -34,7 +34,7 @@ BLOCKED_EVENTS = (
 )
 BLOCKED_PREFIXES = ("socket.", "ctypes.", "_winapi.", "winreg.")
 FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
-BLOCKED_MODULES = ("posix", "_posixsubprocess", "_ctypes", "_socket", "_ssl", "mmap", "_multiprocessing")
+BLOCKED_MODULES = ("posix", "_posixsubprocess", "_ctypes")  # made again, they would be unguarded
 PATH_EVENTS = {  # event -> (indices of path arguments, index of the dir_fd argument(s) or None)
     "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)), "os.rename": ((0, 1), (2, 3)),
     "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
@@ -157,10 +157,8 @@ def make_hook(rules):
             raise ValueError("call stack is not deep enough")  # what callers of sys._getframe already handle
         elif event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRIBUTES:
             refuse(f"reading .{args[1]}")
-        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__":
-            refuse("replacing a function's __code__")
         elif event == "import" and args and args[0] in BLOCKED_MODULES:
-            refuse(f"importing {args[0]}")
+            refuse(f"importing {args[0]} again")
     return hook
 
 
@@ -193,8 +191,11 @@ def install_guard(workdir):
             refuse("os.open relative to a directory descriptor")
         return original_open(path, flags, mode)
 
-    if "_posixsubprocess" in sys.modules:
-        sys.modules["_posixsubprocess"].fork_exec = no_process
+    try:  # imported now, so that importing subprocess works and its fork_exec is the refusing one
+        import _posixsubprocess
+        _posixsubprocess.fork_exec = no_process
+    except ImportError:
+        pass
     if "posix" in sys.modules:
         sys.modules["posix"].open = guarded_open
     os.open = guarded_open

@@ -178,8 +178,8 @@ def _processes_of(uid: int) -> int:
 
 
 def _world_traversable(path: str) -> bool:
-    p = Path(path).resolve()
-    return all(os.stat(d).st_mode & stat.S_IXOTH for d in (p, *p.parents))
+    """Can every user reach ``path`` (its parents searchable by others; it will be ``nobody``'s own)?"""
+    return all(os.stat(d).st_mode & stat.S_IXOTH for d in Path(path).resolve().parents)
 
 
 def _limits(timeout: float, memory_mb: int, file_mb: int, processes: int, uid: int | None) -> dict[str, int | None]:

@@ -15,19 +15,33 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from cluster_kernels.lm_head_features import IGNORE_INDEX, lm_head_features
+from cluster_kernels.lm_head_features import IGNORE_INDEX, example_mean_nll, lm_head_features
 from cluster_kernels.project_linear_grads import project_linear_grads
 from cluster_kernels.projection import random_projection
 from clusterlm.selection.features.batching import PackedBatch, pack_batch
 from clusterlm.selection.features.layers import Layer
 
-__all__ = ["BatchGradients"]
+__all__ = ["BatchGradients", "BatchOutput"]
+
+
+class BatchOutput(NamedTuple):
+    """What one batch gives: the features and, per example, the two signals that come with them for free.
+
+    ``features``: (B, D) float32, L2-normalised when the featurizer normalises; ``norms``: (B,) float64, the L2 norm
+    of each example's feature before that normalisation (the size of its projected gradient); ``losses``: (B,)
+    float64, each example's mean answer-token cross-entropy in its feature window, from the forward pass that
+    computed the feature (no second pass). All on the model's device.
+    """
+
+    features: torch.Tensor
+    norms: torch.Tensor
+    losses: torch.Tensor
 
 
 class BatchGradients:
@@ -78,8 +92,8 @@ class BatchGradients:
 
     # ---- one batch ----------------------------------------------------------------------------------
 
-    def _run_batch(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
-        """Features of checked examples; must run inside ``_extraction_state``."""
+    def _run_batch(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> BatchOutput:
+        """Features of checked examples, with their norms and losses; must run inside ``_extraction_state``."""
         if self.needs_backward and self._embeddings is None:
             raise ValueError(
                 "GradientFeaturizer: the model has no get_input_embeddings(); the backward pass needs it "
@@ -89,6 +103,7 @@ class BatchGradients:
         batch_t = pack_batch(batch, device)
         n_ex, max_len = batch_t.input_ids.shape
         feats = torch.zeros(n_ex, self.k_o, self.k_i, dtype=torch.float32, device=device)
+        losses = torch.zeros(n_ex, dtype=torch.float64, device=device)
         ctx = {"flat_idx": batch_t.flat_idx, "cu": batch_t.cu, "out": feats, "shape": (n_ex, max_len), "seen": set()}
         handles = []
         try:
@@ -102,9 +117,9 @@ class BatchGradients:
                 h = self._forward_hidden(batch_t, captured)
                 h_packed = h.detach().reshape(-1, h.shape[-1]).index_select(0, batch_t.flat_idx)
                 if self.needs_backward:
-                    self._backward(h, h_packed, batch_t, feats, device)
+                    self._backward(h, h_packed, batch_t, feats, losses)
                 else:
-                    self._head_only(h_packed, batch_t, feats, device)
+                    self._head_only(h_packed, batch_t, feats, losses)
         finally:
             for hd in handles:
                 hd.remove()
@@ -117,9 +132,10 @@ class BatchGradients:
                 stacklevel=3,
             )
         out = feats.reshape(n_ex, -1)
+        norms = out.double().norm(dim=1)  # before the normalisation: the size of the projected gradient
         if self.normalize:
             out = out / out.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return out
+        return BatchOutput(out, norms, losses)
 
     def _capture_head_input(self, handles: list[Any]) -> dict[str, torch.Tensor]:
         """Hook the lm head: keep its input hidden states and hand the model empty logits instead."""
@@ -187,10 +203,12 @@ class BatchGradients:
         return weight, bias.detach() if bias is not None else None
 
     def _head_only(self, h_packed: torch.Tensor, batch_t: PackedBatch, feats: torch.Tensor,
-                   device: torch.device) -> None:
-        """The lm head's feature from one vocabulary pass (no backward)."""
+                   losses: torch.Tensor) -> None:
+        """The lm head's feature from one vocabulary pass (no backward); ``losses`` gets each example's mean loss
+        from the same pass."""
         tgt, token_w, cu = batch_t.targets, batch_t.token_weights, batch_t.cu
         weight, bias = self._head_parameters()
+        device = h_packed.device
         if self.mode == "paper":
             res = lm_head_features(
                 h_packed,
@@ -201,6 +219,7 @@ class BatchGradients:
                 bias=bias,
                 backend=self.backend,
                 max_chunk_elems=self.max_chunk_elems,
+                losses=losses,
             )
             feats[:, 0, :] = res
             return
@@ -219,22 +238,26 @@ class BatchGradients:
             out=feats,
             backend=self.backend,
             max_chunk_elems=self.max_chunk_elems,
+            losses=losses,
         )
 
     def _backward(self, h: torch.Tensor, h_packed: torch.Tensor, batch_t: PackedBatch, feats: torch.Tensor,
-                  device: torch.device) -> None:
-        """dL/dh from the lm head in token chunks, the head's own feature, then the activation-only backward."""
+                  losses: torch.Tensor) -> None:
+        """dL/dh from the lm head in token chunks (with each example's mean loss), the head's own feature, then the
+        activation-only backward."""
         flat_idx, tgt, token_w, cu = batch_t.flat_idx, batch_t.targets, batch_t.token_weights, batch_t.cu
         weight, bias = self._head_parameters()
+        device = h.device
         valid = (tgt != IGNORE_INDEX).nonzero().squeeze(1)
         hv, yv, wv = h_packed.index_select(0, valid), tgt.index_select(0, valid), token_w.index_select(0, valid)
         p_out = None
         if self._include_head:
             p_out = self._projection(self._lm_head_name, "out", weight.shape[0], self.k_o, device)
-        grad_hv, g_proj = _lm_head_backward(hv, weight, bias, yv, wv, p_out, self.max_chunk_elems)
+        grad_hv, g_proj, nll = _lm_head_backward(hv, weight, bias, yv, wv, p_out, self.max_chunk_elems)
+        counts = torch.bincount(torch.searchsorted(cu[1:], valid, right=True), minlength=len(cu) - 1)
+        cu_v = torch.cat([cu.new_zeros(1), torch.cumsum(counts, 0)])
+        losses.copy_(example_mean_nll(nll, torch.zeros_like(nll), cu_v.cpu().numpy()))
         if self._include_head:
-            counts = torch.bincount(torch.searchsorted(cu[1:], valid, right=True), minlength=len(cu) - 1)
-            cu_v = torch.cat([cu.new_zeros(1), torch.cumsum(counts, 0)])
             p_in = self._projection(self._lm_head_name, "in", weight.shape[1], self.k_i, device)
             eye = torch.eye(self.k_o, dtype=torch.float32, device=device)
             project_linear_grads(hv.float(), g_proj, cu_v, p_in, eye, out=feats, backend=self.backend)
@@ -251,8 +274,9 @@ def _lm_head_backward(
     token_w: torch.Tensor,
     p_out: torch.Tensor | None,
     max_chunk_elems: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``dL/dh_t = w_t W^T (p_t - e_{y_t})`` and, with ``p_out``, ``w_t P_out^T (p_t - e_{y_t})``, float32.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``dL/dh_t = w_t W^T (p_t - e_{y_t})``, with ``p_out`` also ``w_t P_out^T (p_t - e_{y_t})`` (else None), and
+    each token's cross-entropy ``lse_t - z_t[y_t]`` from the same logits; float32.
 
     Logits exist only for ``max_chunk_elems // V`` tokens at a time. Low-precision weights are multiplied
     in their own dtype (fp32 accumulation inside the GEMM) rather than copied to fp32.
@@ -261,15 +285,17 @@ def _lm_head_backward(
     chunk = max(1, max_chunk_elems // vocab)
     grad_h = torch.empty(n_tok, h.shape[1], dtype=torch.float32, device=h.device)
     g_proj = torch.empty(n_tok, p_out.shape[1], dtype=torch.float32, device=h.device) if p_out is not None else None
+    nll = torch.empty(n_tok, dtype=torch.float32, device=h.device)
     for s in range(0, n_tok, chunk):
         e = min(n_tok, s + chunk)
         logits = (h[s:e].to(weight.dtype) @ weight.T).float()
         if bias is not None:
             logits += bias.float()
+        nll[s:e] = torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[s:e, None].long())[:, 0]
         d_logits = torch.softmax(logits, dim=-1)
         d_logits[torch.arange(e - s, device=h.device), targets[s:e]] -= 1.0
         d_logits *= token_w[s:e, None]
         grad_h[s:e] = (d_logits.to(weight.dtype) @ weight).float()
         if g_proj is not None:
             g_proj[s:e] = d_logits @ p_out
-    return grad_h, g_proj
+    return grad_h, g_proj, nll

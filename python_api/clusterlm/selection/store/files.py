@@ -20,8 +20,8 @@ import numpy as np
 from clusterlm.fileio import StorageError
 
 __all__ = [
-    "BROKEN", "FEATURES", "FINALIZE", "MANIFEST", "READABLE", "STORE_FORMAT", "STORE_VERSION", "kept", "npy_header",
-    "npy_layout", "preallocate", "rows_sha256", "write_all",
+    "BROKEN", "FEATURES", "FINALIZE", "MANIFEST", "READABLE", "SIGNALS", "SIGNALS_KEY", "STORE_FORMAT", "STORE_VERSION",
+    "kept", "npy_header", "npy_layout", "preallocate", "rows_sha256", "signal_rows_sha256", "write_all",
 ]
 
 STORE_FORMAT = "clusterlm.selection.features"
@@ -30,6 +30,11 @@ READABLE = (1, 2)
 MANIFEST = "manifest.json"
 FEATURES = "features.npy"
 FINALIZE = "features"  # the claim of the process assembling features.npy
+# Per-example signals (clusterlm.selection.signals): float64 (rows, 2) per shard in shard_<index>.signals.npy, then
+# signals.npy (N, 2) once complete; a shard record that has them carries their checksum under SIGNALS_KEY. Optional:
+# records without it (an older clusterlm's) read as before, and the store then has no signals.
+SIGNALS = "signals.npy"
+SIGNALS_KEY = "signals_sha256"
 _NO_FALLOCATE = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 BROKEN = "is truncated or not a clusterlm feature file"
 
@@ -65,6 +70,12 @@ def npy_layout(path: Path) -> tuple[tuple[int, ...], np.dtype, int]:
 def rows_sha256(rows: np.ndarray) -> str:
     """sha256 of float32 rows as stored (C order, little endian), the same for a shard and its block."""
     data = np.ascontiguousarray(rows, dtype="<f4")
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def signal_rows_sha256(rows: np.ndarray) -> str:
+    """sha256 of float64 signal rows as stored (C order, little endian), the same for a shard and its block."""
+    data = np.ascontiguousarray(rows, dtype="<f8")
     return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
