@@ -240,12 +240,8 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
         FileNotFoundError: the data or the held-out data is missing.
         RuntimeError: a training run failed (its output is above; rerun to continue from the runs done).
     """
-    if isinstance(config, Mapping):  # a dict of settings: through the config's own loader (unknown names refused)
-        config = CompareConfig.from_dict(config, "compare(config)")
-    if not isinstance(config, CompareConfig):
-        raise TypeError(f"compare: config must be a clusterlm.CompareConfig (or a mapping of its settings), got "
-                        f"{type(config).__name__}; e.g. clusterlm.compare(clusterlm.CompareConfig(methods=('random', "
-                        "'cluster'), seeds=(0, 1))).")
+    config = CompareConfig.coerce(config, "clusterlm.compare(clusterlm.CompareConfig(methods=('random', 'cluster'), "
+                                          "seeds=(0, 1)))")
     config.check()
     config, eval_sets = _resolved(config)
     data_path, eval_path = _data_paths(config, eval_sets)

@@ -91,6 +91,21 @@ class Config:
             raise TypeError(f"{owner}: missing required setting(s) {', '.join(missing)} ({cls.__name__}).")
         return cls(**overrides)
 
+    @classmethod
+    def coerce(cls: type[C], value: Any, example: str) -> C:
+        """``value`` as this config: the config itself, or a mapping of its settings through :meth:`from_dict`
+        (an unknown name is refused).
+
+        Raises:
+            TypeError: anything else (the message names the expected type and shows ``example``).
+        """
+        if isinstance(value, Mapping):
+            return cls.from_dict(value, f"{cls.owner()}(config)")
+        if not isinstance(value, cls):
+            raise TypeError(f"{cls.owner()}: config must be a clusterlm.{cls.__name__} (or a mapping of its settings), "
+                            f"got {type(value).__name__}; e.g. {example}.")
+        return value
+
     def check(self) -> None:
         """Every rule of this config that needs no data; the job calls it once before it loads anything.
 

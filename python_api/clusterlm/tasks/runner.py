@@ -34,7 +34,7 @@ BLOCKED_EVENTS = (
 )
 BLOCKED_PREFIXES = ("socket.", "ctypes.", "_winapi.", "winreg.")
 FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
-BLOCKED_MODULES = ("posix", "_posixsubprocess", "_ctypes")  # made again, they would be unguarded
+BLOCKED_MODULES = ("posix", "_posixsubprocess", "_signal", "_ctypes")  # made again, they would be unguarded
 PATH_EVENTS = {  # event -> (indices of path arguments, index of the dir_fd argument(s) or None)
     "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)), "os.rename": ((0, 1), (2, 3)),
     "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
@@ -42,6 +42,7 @@ PATH_EVENTS = {  # event -> (indices of path arguments, index of the dir_fd argu
     "shutil.copyfile": ((1,), ()), "shutil.copymode": ((1,), ()), "shutil.copystat": ((1,), ()),
     "shutil.copytree": ((1,), ()), "shutil.move": ((1,), ()), "shutil.make_archive": ((0,), ()),
 }
+UNIX_FAMILY = 1  # socket.AF_UNIX
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 WRITABLE_DEVICES = ("/dev/null",)
 READABLE_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom", "/dev/stdin", "/dev/stdout",
@@ -147,6 +148,8 @@ def check_paths(rules, event, args):
 
 def make_hook(rules):
     def hook(event, args):
+        if event == "socket.__new__" and len(args) > 1 and args[1] == UNIX_FAMILY:
+            return  # socketpair (asyncio's self-pipe); connect, bind and send are refused
         if event in BLOCKED_EVENTS or event.startswith(BLOCKED_PREFIXES):
             refuse(event)
         if event == "open":
@@ -196,6 +199,12 @@ def install_guard(workdir):
         _posixsubprocess.fork_exec = no_process
     except ImportError:
         pass
+
+    def no_handler(*args, **kwargs):  # a Python signal handler is called with the interrupted frame
+        refuse("installing a signal handler")
+
+    import _signal
+    _signal.signal = no_handler
     if "posix" in sys.modules:
         sys.modules["posix"].open = guarded_open
     os.open = guarded_open

@@ -226,12 +226,8 @@ def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> 
         SpawnFailed: a rank of a launched run failed (its message is printed already); ``.code`` is the status.
         Preempted: SIGTERM, SIGUSR1 or SIGINT stopped the run after a checkpoint (:mod:`clusterlm.launch.preemption`).
     """
-    if isinstance(config, Mapping):  # a dict of settings: through the config's own loader (unknown names refused)
-        config = TrainConfig.from_dict(config, "train(config)")
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"train: config must be a clusterlm.TrainConfig (or a mapping of its settings), got "
-                        f"{type(config).__name__}; e.g. clusterlm.train(clusterlm.TrainConfig(plan=..., model=..., "
-                        "data=..., out=...)).")
+    config = TrainConfig.coerce(config, "clusterlm.train(clusterlm.TrainConfig(plan=..., model=..., data=..., "
+                                        "out=...))")
     with removed_if_empty(config.out or ".", lambda out: (out / METRICS).exists()):
         if plan is not None:
             config = _with_plan(config, plan)

@@ -3,11 +3,20 @@
 Layout of a store directory::
 
     manifest.json        format and version, feature dim, shard size, the producing configuration, per-shard records
-                         (file, rows, sha256 of the shard's input data, sha256 of its float32 rows),
-                         n_examples and ``complete`` when done
+                         (file, rows, sha256 of the shard's input data, sha256 of its float32 rows, sha256 of its
+                         signals), n_examples and ``complete`` when done
     shard_00000.npy      float32 (shard_size, dim) for examples [0, shard_size), ... (while running)
+    shard_00000.signals.npy  float64 (shard_size, 2): each example's gradient norm and loss (while running)
     shard_00000.claim    while a process computes shard 0: its claim (locked; pid and host inside)
     features.npy         float32 (n_examples, dim), written when the run completes; read as np.memmap
+    signals.npy          float64 (n_examples, 2), written with it (:meth:`FeatureStore.signals`)
+
+Signals (:mod:`clusterlm.selection.store.signals`): the featurizer's free per-example signals
+(:class:`clusterlm.selection.signals.ExampleSignals`: the norm of each feature before normalisation and the
+example's loss) are written with each shard, before its features, and checksummed in its record
+(``signals_sha256``); they are assembled into ``signals.npy`` with ``features.npy``. They are optional in the
+format: a record without them (an older clusterlm's, version 2 without signals) reads as before and the store then
+has no signals, so the format version stays 2 and stores written earlier keep working in both directions.
 
 Crash safety: a shard is written to a temporary file, fsync'ed and renamed into place
 (:func:`clusterlm.fileio.atomic_write`), and only then recorded in the manifest (itself replaced atomically).
@@ -63,8 +72,8 @@ succeed and one writer at a time is assumed.)
 Modules: :mod:`~clusterlm.selection.store.feature_store` (``FeatureStore``: manifest, begin, write, read),
 :mod:`~clusterlm.selection.store.claims` (shard claims), :mod:`~clusterlm.selection.store.checks` (checksums, dropped
 blocks),
-:mod:`~clusterlm.selection.store.assembly` (``features.npy``) and :mod:`~clusterlm.selection.store.files` (file names,
-npy files).
+:mod:`~clusterlm.selection.store.assembly` (``features.npy``), :mod:`~clusterlm.selection.store.signals` (``signals.npy``)
+and :mod:`~clusterlm.selection.store.files` (file names, npy files).
 """
 
 from clusterlm.selection.store.feature_store import FeatureStore

@@ -71,6 +71,7 @@ class StoreAssembly:
                 return self._finalized(n_examples)
             self._check_shards_for(n_examples)
             self._assemble(self._read_manifest(), n_examples)
+            self._assemble_signals(self._read_manifest(), n_examples)  # signals.npy when every shard has them
             with self._locked():
                 manifest = dict(self.reload()._read_manifest(), complete=True, n_examples=int(n_examples))
                 self._write_manifest(manifest)

@@ -46,6 +46,7 @@ class StoreChecks:
             if dtype != np.float32 or len(shape) != 2 or shape[1] != manifest["dim"] or shape[0] < start + rec["rows"]:
                 want = f"{rec['rows']} rows of dim {manifest['dim']}"
                 bad[int(key)] = f"{BROKEN} (shape {shape}, {dtype}; expected {want})"
+        bad = self._unreadable_signals(manifest) | bad
         if not bad:
             return manifest
         for i, problem in sorted(bad.items()):
@@ -62,6 +63,7 @@ class StoreChecks:
             rec = manifest["shards"].pop(str(i), None) or {}
             if rec.get("file", FEATURES) != FEATURES:
                 (self.path / rec["file"]).unlink(missing_ok=True)
+                self._signals_path(int(i)).unlink(missing_ok=True)
         self._write_manifest(manifest)
         return manifest
 

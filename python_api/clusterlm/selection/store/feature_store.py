@@ -28,17 +28,19 @@ from clusterlm.selection.store.files import (
     FEATURES,
     MANIFEST,
     READABLE,
+    SIGNALS_KEY,
     STORE_FORMAT,
     STORE_VERSION,
     kept,
     npy_header,
     rows_sha256,
 )
+from clusterlm.selection.store.signals import StoreSignals
 
 __all__ = ["FeatureStore"]
 
 
-class FeatureStore(ShardClaims, StoreChecks, StoreAssembly):
+class FeatureStore(ShardClaims, StoreChecks, StoreAssembly, StoreSignals):
     """A directory of feature shards with a manifest; resumable and readable out of core.
 
     Args:
@@ -242,13 +244,17 @@ class FeatureStore(ShardClaims, StoreChecks, StoreAssembly):
     def _shard_path(self, index: int) -> Path:
         return self.path / f"shard_{index:05d}.npy"
 
-    def write_shard(self, index: int, features: np.ndarray, *, data_sha256: str) -> None:
+    def write_shard(self, index: int, features: np.ndarray, *, data_sha256: str, signals: np.ndarray | None = None
+                    ) -> None:
         """Atomically write shard ``index`` (rows ``index * shard_size ...``), record it, release its claim.
 
         Args:
             index: shard number.
             features: ``(rows, dim)`` array; rows == shard_size except for the last shard.
             data_sha256: fingerprint of the shard's input examples (checked when resuming).
+            signals: the shard's per-example signals, ``(rows, 2)`` float64 (gradient norm, loss:
+                :class:`clusterlm.selection.signals.ExampleSignals`), written before the features and checksummed in
+                the record; None: a shard without them (the store then has no signals, :meth:`signals`).
 
         Raises:
             ValueError: wrong shape, non-finite values, or the store is already complete.
@@ -264,6 +270,7 @@ class FeatureStore(ShardClaims, StoreChecks, StoreAssembly):
             )
         if not np.isfinite(features).all():
             raise ValueError(f"FeatureStore: shard {index} has non-finite values; refusing to store them.")
+        signals_sha256 = None if signals is None else self._write_signals_shard(index, signals, len(features))
         target = self._shard_path(index)
         try:
             need = len(npy_header(features.shape)) + features.nbytes
@@ -276,6 +283,8 @@ class FeatureStore(ShardClaims, StoreChecks, StoreAssembly):
             "data_sha256": data_sha256,
             "sha256": rows_sha256(features),
         }
+        if signals_sha256 is not None:
+            record[SIGNALS_KEY] = signals_sha256
         with self._locked():
             manifest = self.reload()._read_manifest()  # other writers may have added shards meanwhile
             if manifest.get("complete"):
