@@ -12,7 +12,7 @@ import json
 import pytest
 
 from clusterlm.cli import commands as cli
-from clusterlm.cli.options import option_fields
+from clusterlm.cli.options import option_fields, parse_config
 from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
 from clusterlm.config.demo import DemoConfig
 from clusterlm.config.export import ExportConfig, ExportJob
@@ -194,3 +194,48 @@ def test_check_refuses_bad_values():
     with pytest.raises(ValueError, match="--budget must be one of"):
         CompareConfig(budget="flops").check()
     assert compare_train_defaults().progress is False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Three bad inputs a probe found accepted (issue 51): a key written twice, an empty list item, a dict for a config
+
+
+@pytest.mark.parametrize("suffix, text, line", [
+    (".yaml", "model: tiny-llama\nlr: 1e-4\nmodel: other\n", "(line 3)"),
+    (".yaml", "train:\n  lr: 1e-4\n  lr: 2e-4\n", "(line 3)"),
+    (".json", '{"model": "a", "model": "b"}', ""),
+])
+def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, capsys, suffix, text, line):
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    key = "lr" if "train:" in text else "model"
+    with pytest.raises(ValueError, match=f"the key '{key}' is written twice"):
+        TrainConfig.load(path) if "train:" not in text else CompareConfig.load(path)
+    command = "compare" if "train:" in text else "train"
+    assert cli.main([command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}: the key '{key}' is written twice" in err and line in err
+
+
+@pytest.mark.parametrize("argv", [["--seeds", "0,,1"], ["--seeds", ",1"], ["--ratios", "0.1,,0.2"],
+                                  ["--methods", "random,,cluster"], ["--report-to", "tensorboard,"]])
+def test_an_empty_item_in_a_list_option_is_refused_naming_it(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(cli.compare_parser(), argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}" in err and "empty item" in err, err
+    assert parse_config(cli.compare_parser(), ["--seeds", "5,"])["seeds"] == [5]  # one seed: a trailing comma
+
+
+def test_train_and_compare_take_their_config_or_a_mapping_and_refuse_the_rest(tmp_path):
+    import clusterlm
+
+    for call, expected in ((clusterlm.train, "TrainConfig"), (clusterlm.compare, "CompareConfig")):
+        for bad in (["plan"], 3, "run.yaml", None):
+            with pytest.raises(TypeError, match=f"config must be a clusterlm.{expected}"):
+                call(bad)
+    with pytest.raises(ValueError, match="unknown setting 'bogus' for TrainConfig"):
+        clusterlm.train({"plan": "p", "model": "m", "data": "d", "out": str(tmp_path), "bogus": 1})
+    with pytest.raises(ValueError, match="--data, --out are required|--plan"):  # the mapping is checked as a config
+        clusterlm.train({"model": "tiny-llama"})

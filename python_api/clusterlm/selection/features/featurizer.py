@@ -36,6 +36,7 @@ from clusterlm.selection.features.batching import (
 )
 from clusterlm.selection.features.gradients import BatchGradients
 from clusterlm.selection.features.layers import find_lm_head, resolve_layers, split_dim, warn_if_lora_b_zero
+from clusterlm.selection.signals import ExampleSignals
 from clusterlm.selection.store import FeatureStore
 
 __all__ = ["GradientFeaturizer"]
@@ -242,7 +243,7 @@ class GradientFeaturizer(BatchGradients):
         if not batch:
             return torch.zeros(0, self.feature_dim, dtype=torch.float32, device=self.device)
         with self._extraction_state():
-            return self._run_batch(batch)
+            return self._run_batch(batch).features
 
     def _check_example(self, example: Mapping[str, Any], index: int) -> tuple[np.ndarray, np.ndarray]:
         vocab_in = self._embeddings.num_embeddings if isinstance(self._embeddings, nn.Embedding) else None
@@ -259,8 +260,9 @@ class GradientFeaturizer(BatchGradients):
         store: FeatureStore | str | None = None,
         shard_size: int | None = None,
         progress: bool = True,
-    ) -> np.ndarray:
-        """Features of every example of ``data``, in order.
+        return_signals: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, ExampleSignals | None]:
+        """Features of every example of ``data``, in order (and, on request, each example's gradient norm and loss).
 
         Args:
             data: a list of dicts, a ``datasets.Dataset`` or a ``DataLoader`` yielding dicts with ``input_ids``
@@ -272,10 +274,14 @@ class GradientFeaturizer(BatchGradients):
             shard_size: examples per window/shard (default: the store's, else :data:`DEFAULT_SHARD_SIZE`).
                 Batches never cross a window, so results do not depend on whether a store is used.
             progress: show a tqdm bar with examples/s and tokens/s.
+            return_signals: also return the per-example signals computed with the features
+                (:class:`clusterlm.selection.signals.ExampleSignals`: the norm of each feature before its
+                normalisation, the example's mean answer-token loss in its window); with a store, the store's (None
+                for a store whose shards an older clusterlm wrote). A store gets them either way.
 
         Returns:
             ``(N, feature_dim)`` float32: a numpy array, or the store's read-only ``np.memmap`` when ``store``
-            is given.
+            is given; with ``return_signals``, ``(features, signals)``.
 
         Raises:
             ValueError / TypeError: malformed examples (the message names the example's index), an example
@@ -293,17 +299,19 @@ class GradientFeaturizer(BatchGradients):
             store.begin(dim=self.feature_dim, config=self.config())  # completed shards are skipped below
         windows = ((w, w * window, examples) for w, examples in enumerate(example_windows(iter_examples(data), window)))
         results: list[np.ndarray] = []
+        signals: list[ExampleSignals] = []
         n_seen = 0
         with progress_bar(total, progress) as bar:
-            for _, n_rows, feats in self._shard_loop(windows, store, batch_tokens, bar):
+            for _, n_rows, feats, sig in self._shard_loop(windows, store, batch_tokens, bar):
                 n_seen += n_rows
                 if store is None:
                     results.append(feats)
+                    signals.append(sig)
         if store is not None:
-            return store.finalize(n_seen)
-        if not results:
-            return np.zeros((0, self.feature_dim), dtype=np.float32)
-        return np.concatenate(results)
+            out = store.finalize(n_seen)
+            return (out, store.signals()) if return_signals else out
+        out = np.concatenate(results) if results else np.zeros((0, self.feature_dim), dtype=np.float32)
+        return (out, ExampleSignals.concat(signals)) if return_signals else out
 
     def featurize_shards(
         self,
@@ -342,7 +350,7 @@ class GradientFeaturizer(BatchGradients):
         rows = sum(max(0, min(n, (w + 1) * size) - w * size) for w in shards)
         computed: list[int] = []
         with progress_bar(rows, progress) as bar:
-            for w, _, feats in self._shard_loop(windows, store, batch_tokens, bar):
+            for w, _, feats, _ in self._shard_loop(windows, store, batch_tokens, bar):
                 if feats is not None:
                     computed.append(w)
                 if on_shard is not None:
@@ -352,10 +360,10 @@ class GradientFeaturizer(BatchGradients):
     def _shard_loop(
         self, windows: Iterable[tuple[int, int, list[Mapping[str, Any]]]], store: FeatureStore | None,
         batch_tokens: int, bar: Any,
-    ) -> Iterator[tuple[int, int, np.ndarray | None]]:
+    ) -> Iterator[tuple[int, int, np.ndarray | None, ExampleSignals | None]]:
         """The one shard loop: for each ``(index, first row, examples)`` window, check the examples, skip a shard
-        the store holds for exactly them, else compute it in token-bounded batches and store it. Yields
-        ``(index, rows, features or None when it was stored already)``."""
+        the store holds for exactly them, else compute it in token-bounded batches and store it (with its signals).
+        Yields ``(index, rows, features, signals)``, the last two None when it was stored already."""
         n_computed, n_tokens, t0 = 0, 0, time.perf_counter()
         with self._extraction_state():
             for w_index, start, window_examples in windows:
@@ -363,19 +371,22 @@ class GradientFeaturizer(BatchGradients):
                 data_hash = _data_sha256(checked)
                 if store is not None and _already_stored(store, w_index, start, checked, data_hash):
                     bar.update(len(checked))
-                    yield w_index, len(checked), None
+                    yield w_index, len(checked), None, None
                     continue
                 feats = np.zeros((len(checked), self.feature_dim), dtype=np.float32)
+                sig = np.zeros((len(checked), 2), dtype=np.float64)  # gradient norm, loss (ExampleSignals' columns)
                 for idx in token_batches([len(ids) for ids, _ in checked], batch_tokens):
-                    feats[idx] = self._run_batch([checked[i] for i in idx]).float().cpu().numpy()
+                    out = self._run_batch([checked[i] for i in idx])
+                    feats[idx] = out.features.float().cpu().numpy()
+                    sig[idx] = torch.stack([out.norms, out.losses], dim=1).double().cpu().numpy()
                     n_tokens += int(sum(len(checked[i][0]) for i in idx))
                     n_computed += len(idx)  # rates count only computed examples, not resumed ones
                     bar.update(len(idx))
                     elapsed = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix({"ex/s": f"{n_computed / elapsed:.1f}", "tok/s": f"{n_tokens / elapsed:.0f}"})
                 if store is not None:
-                    store.write_shard(w_index, feats, data_sha256=data_hash)
-                yield w_index, len(checked), feats
+                    store.write_shard(w_index, feats, data_sha256=data_hash, signals=sig)
+                yield w_index, len(checked), feats, ExampleSignals.from_array(sig)
 
 
 def _data_sha256(examples: list[tuple[np.ndarray, np.ndarray]]) -> str:
