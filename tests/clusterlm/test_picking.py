@@ -1,6 +1,7 @@
-"""Within-cluster picks (clusterlm.selection.picking): farthest / nearest / random / k-center, ties by index, pick
-order,
-and the row normalisation the selection applies to features."""
+"""Within-cluster picks (clusterlm.selection.picking): farthest / nearest / random / k-center and the picks on the
+per-example signals (gradient norm, loss, their rank combinations with the distance, alternation), ties, pick order,
+determinism, the cluster sizes and per-rank balance a selection keeps whatever the pick, and the row normalisation the
+selection applies to features."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clusterlm.selection.picking import WITHIN_CLUSTER, kcenter, l2_normalize, pick_in_cluster
+from clusterlm.selection.picking import SIGNAL_PICKS, WITHIN_CLUSTER, kcenter, l2_normalize, pick_in_cluster
+from clusterlm.selection.select import select_from_features
+from clusterlm.selection.signals import ExampleSignals
 
 
 @pytest.mark.parametrize("method", ["farthest", "nearest", "random", "kcenter"])
@@ -63,9 +66,9 @@ def test_random_pick_is_a_seeded_sample_without_repeats():
 
 def test_unknown_method_names_the_setting_and_the_choices():
     with pytest.raises(ValueError, match=r"within_cluster must be one of \('farthest', 'nearest', 'random', "
-                                         r"'kcenter'\), got 'middle'"):
+                                         r"'kcenter', 'grad-norm', .*\), got 'middle'"):
         pick_in_cluster(np.arange(3), np.zeros(3), 1, method="middle")
-    assert WITHIN_CLUSTER == ("farthest", "nearest", "random", "kcenter")
+    assert WITHIN_CLUSTER == ("farthest", "nearest", "random", "kcenter", *SIGNAL_PICKS)
 
 
 # ---- properties -----------------------------------------------------------------------------------
@@ -117,3 +120,127 @@ def test_l2_normalize_gives_unit_rows_in_the_same_direction(x):
 def test_l2_normalize_known_rows():
     y = l2_normalize(np.array([[3, 4], [0, 0], [0, -2]]))
     np.testing.assert_array_equal(y, np.array([[0.6, 0.8], [0, 0], [0, -1]], dtype=np.float32))
+
+
+# ---- the picks on the per-example signals ------------------------------------------------------------------------
+
+
+def _signals(grad_norm, loss) -> ExampleSignals:
+    return ExampleSignals(np.asarray(grad_norm, dtype=np.float64), np.asarray(loss, dtype=np.float64))
+
+
+# 6 members (0..5; example 6 is not one): distances, gradient norms and losses with ties
+DIST = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, 9.0])
+SIG = _signals([1.0, 2.0, 6.0, 6.0, 3.0, 0.5, 99.0], [0.1, 3.0, 2.0, 2.0, 5.0, 0.2, 99.0])
+MEMBERS = np.array([4, 0, 5, 2, 3, 1])  # any order: the result does not depend on it
+
+
+@pytest.mark.parametrize(("method", "expected"), [
+    ("grad-norm", [2, 3, 4, 1, 0, 5]),  # 6, 6 (tie: index 2 first), 3, 2, 1, 0.5
+    ("loss", [4, 1, 2, 3, 5, 0]),  # 5, 3, 2, 2 (tie: index), 0.2, 0.1
+    # rank sums (farthest rank + loss rank): 0: 0+5, 1: 1+1, 2: 2+2, 3: 3+3, 4: 4+0, 5: 5+4 -> 1 (2), then 2 and 4
+    # (4 each: farther first, 2), 0 (5), 3 (6), 5 (9)
+    ("rank-farthest-loss", [1, 2, 4, 0, 3, 5]),
+    # grad-norm ranks: 2: 0, 3: 1, 4: 2, 1: 3, 0: 4, 5: 5 -> sums 0: 4, 1: 4, 2: 2, 3: 4, 4: 6, 5: 10
+    ("rank-farthest-grad-norm", [2, 0, 1, 3, 4, 5]),
+    # the highest loss (4), the farthest (0), the next loss (1), the next farthest (2), loss (3), farthest (5)
+    ("alternate-loss-farthest", [4, 0, 1, 2, 3, 5]),
+])
+def test_signal_picks_known_answers(method, expected):
+    got = pick_in_cluster(MEMBERS, DIST, 6, method=method, signals=SIG)
+    assert got.dtype == np.int64 and got.tolist() == expected
+    assert pick_in_cluster(MEMBERS[::-1], DIST, 6, method=method, signals=SIG).tolist() == expected
+    for m in range(1, 6):  # every prefix is the smaller pick
+        assert pick_in_cluster(MEMBERS, DIST, m, method=method, signals=SIG).tolist() == expected[:m]
+
+
+def test_a_signal_pick_without_signals_says_what_it_needs():
+    with pytest.raises(ValueError, match=r"within_cluster='loss' ranks by each example's loss.*signals="):
+        pick_in_cluster(MEMBERS, DIST, 2, method="loss")
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 40), seed=st.integers(0, 2**31 - 1), method=st.sampled_from(list(SIGNAL_PICKS)))
+def test_signal_picks_are_rankings_of_distinct_members(n, seed, method):
+    rng = np.random.default_rng(seed)
+    dist = rng.integers(0, 4, size=n).astype(np.float64)  # small integers: ties happen
+    sig = _signals(rng.integers(0, 4, size=n), rng.integers(0, 4, size=n))
+    members = np.sort(rng.choice(n, size=int(rng.integers(2, n + 1)), replace=False))
+    m = int(rng.integers(1, len(members)))
+    small = pick_in_cluster(members, dist, m, method=method, signals=sig)
+    large = pick_in_cluster(members, dist, m + 1, method=method, signals=sig)
+    assert large[:m].tolist() == small.tolist()
+    assert len(set(large.tolist())) == m + 1 and set(large.tolist()) <= set(members.tolist())
+    if method in ("grad-norm", "loss"):
+        score = sig.column(SIGNAL_PICKS[method])
+        rest = np.setdiff1d(members, small)
+        assert score[small].min() >= score[rest].max()
+
+
+# ---- a selection with every pick: deterministic, cluster sizes and per-rank balance as for farthest -------------
+
+N, DIM = 240, 6
+
+
+def _inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, DIM)).astype(np.float32)
+    lengths = rng.integers(20, 200, size=N)
+    sig = _signals(rng.gamma(2.0, 1.0, size=N), rng.gamma(3.0, 0.5, size=N))
+    return x, lengths, sig
+
+
+@pytest.mark.parametrize("budget", [{"ratio": 0.3}, {"token_ratio": 0.3}])
+@pytest.mark.parametrize("method", WITHIN_CLUSTER)
+def test_every_pick_keeps_the_cluster_sizes_weights_and_rank_balance(method, budget):
+    x, lengths, sig = _inputs()
+    common = dict(world_size=3, seed=4, lengths=lengths, signals=sig, **budget)
+    ref = select_from_features(x, within_cluster="farthest", **common)
+    plan = select_from_features(x, within_cluster=method, **common)
+    again = select_from_features(x, within_cluster=method, **common)  # deterministic under the seed
+    assert [r.tolist() for r in plan.rank_indices] == [r.tolist() for r in again.rank_indices]
+    # the clustering does not depend on the pick; the signals ride along in the plan
+    np.testing.assert_array_equal(plan.cluster_labels, ref.cluster_labels)
+    np.testing.assert_array_equal(plan.cluster_sizes, ref.cluster_sizes)
+    np.testing.assert_array_equal(plan.losses, sig.loss)
+    np.testing.assert_array_equal(plan.grad_norms, sig.grad_norm)
+    # one cluster per rank, every rank the same count, and the weights K n_k / N on every rank
+    per_rank = {len(r) for r in plan.rank_indices}
+    assert len(per_rank) == 1
+    if "ratio" in budget:
+        assert plan.per_rank == ref.per_rank
+    for r, idx in enumerate(plan.rank_indices):
+        labels = set(plan.cluster_labels[idx].tolist())
+        assert len(labels) == 1
+        k = labels.pop()
+        np.testing.assert_allclose(plan.rank_weights(r), 3 * plan.cluster_sizes[k] / N)
+        assert len(idx) <= plan.cluster_sizes[k]
+
+
+def test_random_pick_is_deterministic_under_its_seed_and_moves_with_it():
+    x, lengths, sig = _inputs()
+    a, b, c = (select_from_features(x, world_size=2, ratio=0.25, seed=s, lengths=lengths, within_cluster="random",
+                                    signals=sig) for s in (1, 1, 2))
+    assert [r.tolist() for r in a.rank_indices] == [r.tolist() for r in b.rank_indices]
+    assert [r.tolist() for r in a.rank_indices] != [r.tolist() for r in c.rank_indices]
+
+
+def test_the_loss_pick_keeps_each_clusters_highest_losses():
+    x, lengths, sig = _inputs(1)
+    plan = select_from_features(x, world_size=2, ratio=0.25, seed=0, lengths=lengths, within_cluster="loss",
+                                signals=sig, token_balance=False)
+    for idx in plan.rank_indices:
+        k = plan.cluster_labels[idx[0]]
+        rest = np.setdiff1d(np.flatnonzero(plan.cluster_labels == k), idx)
+        assert sig.loss[idx].min() >= sig.loss[rest].max()
+    assert "selected mean loss" in plan.summary()
+
+
+def test_select_from_features_refuses_a_signal_pick_without_signals_before_clustering():
+    x, lengths, _ = _inputs()
+    with pytest.raises(ValueError, match="within_cluster='rank-farthest-loss' ranks by each example's loss"):
+        select_from_features(x, world_size=2, ratio=0.25, lengths=lengths, within_cluster="rank-farthest-loss")
+    with pytest.raises(ValueError, match="signals has 3 examples, the features 240 rows"):
+        select_from_features(x, world_size=2, ratio=0.25, lengths=lengths, signals=_signals([1, 2, 3], [1, 2, 3]))
+    plan = select_from_features(x, world_size=2, ratio=0.25, lengths=lengths)  # geometric picks need none
+    assert plan.losses is None and plan.grad_norms is None

@@ -83,7 +83,7 @@ def test_a_new_store_is_version_2_and_its_manifest_is_public_as_a_copy(tmp_path)
     store = _filled(tmp_path)
     manifest = store.manifest()
     assert (manifest["format"], manifest["version"]) == (store_mod.STORE_FORMAT, store_mod.STORE_VERSION) == (
-        "clusterlm.selection.features", 2)
+        "clusterlm.features", 2)
     assert sorted(manifest["shards"]) == ["0", "1", "2"] and all("sha256" in r for r in manifest["shards"].values())
     manifest["shards"].clear()
     assert len(store.manifest()["shards"]) == 3 and store.rows_done() == 6 and store.stored_shard_size() == 2
@@ -101,7 +101,7 @@ def test_a_version_2_record_without_its_checksum_is_dropped_and_recomputed(tmp_p
 
 
 @pytest.mark.parametrize(("fmt", "version", "match"), [
-    ("clusterlm.selection.features", 3, r"manifest\.json has format version 3; this clusterlm reads version 1 or 2"),
+    ("clusterlm.features", 3, r"manifest\.json has format version 3; this clusterlm reads version 1 or 2"),
     ("clusterlm.features/7", None, r"format version 7"),
     ("clusterlm.plan", 2, r"not a clusterlm feature store \(its format is 'clusterlm.plan'"),
 ])
@@ -217,7 +217,8 @@ def test_a_bad_example_in_a_stream_stops_before_its_shard_is_written(tmp_path):
         feat.featurize(iter(data), store=FeatureStore(tmp_path, shard_size=2), progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert sorted(manifest["shards"]) == ["0", "1"] and not manifest["complete"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard_00000.npy", "shard_00001.npy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard_00000.npy", "shard_00000.signals.npy",
+                                                          "shard_00001.npy", "shard_00001.signals.npy"]
 
 
 def test_a_model_of_another_configuration_cannot_resume_a_store(tmp_path):

@@ -183,6 +183,7 @@ def test_files_outside_the_working_directory_are_untouched(tmp_path):
         f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
         "os.open('canary.txt', os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
         f"import os\nos.truncate({str(canary)!r}, 0)",
+        f"import os\nos.fchmod(os.open({str(canary)!r}, os.O_RDONLY), 0)",
     ]
     for program in attempts:
         result = run(program, tmp_path)
@@ -255,10 +256,61 @@ def test_monkeypatching_the_checker_fails(tmp_path, program):
     "import gc\nobjs = gc.get_objects()\n",
     "import sys\nframes = sys._current_frames()\n",
     "open('/proc/self/mem', 'rb')\n",
-], ids=["_getframe", "inspect", "tb_frame", "gi_frame", "gc", "current_frames", "proc-mem"])
+    "import os\nfd = os.open('/proc/self', os.O_RDONLY)\nos.open('mem', os.O_RDONLY, dir_fd=fd)\n",
+    "import _imp\nd = _imp.create_builtin.__kwdefaults__\n",
+    "import _signal\nd = _signal.signal.__kwdefaults__\n",
+    "import _imp\nclass Name(str):\n    def __hash__(self):\n        return 1\n    def __eq__(self, other):\n"
+    "        return False\nclass Spec:\n    name, loader, origin = Name('_signal'), None, None\n"
+    "_imp.create_builtin(Spec())\n",
+], ids=["_getframe", "inspect", "tb_frame", "gi_frame", "gc", "current_frames", "proc-mem", "dir_fd", "kwdefaults",
+        "signal-kwdefaults", "fake-spec"])
 def test_reaching_the_harness_memory_is_refused(tmp_path, program):
     result = checked(program + ADD, tmp_path)
     assert result.status == "failed" and ("PermissionError" in result.detail or "ValueError" in result.detail), result
+
+
+def test_the_guard_does_not_lean_on_what_the_program_can_change(tmp_path):
+    """Rebinding builtins does not switch the checks off; the harness's module is out of reach; a native module
+    the program writes cannot be loaded."""
+    canary = tmp_path / "canary.txt"
+    patched = f"import builtins\nbuiltins.isinstance = lambda *a: False\nbuiltins.any = lambda *a: False\n" \
+              f"builtins.len = lambda *a: 0\nopen({str(canary)!r}, 'w').write('pwned')\n"
+    assert "PermissionError" in run(patched, tmp_path).detail and not canary.exists()
+    hidden = "import sys\nassert not hasattr(sys.modules['__main__'], 'install_guard')\n"
+    assert run(hidden, tmp_path).status == "passed"
+    native = next(Path(sys.base_prefix).glob("lib/python3*/lib-dynload/_json*.so"), None)
+    if native is not None:
+        program = f"import shutil, importlib.util\nshutil.copy({str(native)!r}, 'evil.so')\n" \
+                  "importlib.util.module_from_spec(importlib.util.spec_from_file_location('_json', 'evil.so'))\n"
+        result = run(program, tmp_path)
+        assert result.status == "failed" and "native module" in result.detail, result
+
+
+def test_a_signal_handler_gets_no_frame_to_walk(tmp_path):
+    """A Python signal handler is called with the interrupted frame, whose f_back chain leads to the harness's
+    locals (the token): the guard installs no handler, so the forged verdict never comes."""
+    program = """
+        import os, signal, sys, time
+        found = []
+        def handler(signum, frame):
+            while frame is not None:
+                if "nonce" in frame.f_locals:
+                    found.append(frame.f_locals["nonce"])
+                frame = frame.f_back
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        start = time.time()
+        while not found and time.time() - start < 0.5:
+            pass
+        if found:
+            os.write(int(sys.argv[3]), found[0] + b":passed\\n")
+            os._exit(0)
+        def add(a, b):
+            return 0
+    """
+    assert checked(program, tmp_path).status == "failed"
+    runs_asyncio = "import asyncio\nasync def f():\n    return 3\nassert asyncio.run(f()) == 3\n"
+    assert run(runs_asyncio, tmp_path).status == "passed"  # asyncio's own SIGINT handler is simply not installed
 
 
 def test_the_environment_is_scrubbed(tmp_path, monkeypatch):

@@ -84,7 +84,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,7 +120,7 @@ from clusterlm.data.demo import demo_data
 from clusterlm.engine.step import CKPT_DIR, EVAL_EXAMPLES, LATEST, find_checkpoint
 from clusterlm.fileio import atomic_write_text
 from clusterlm.launch.launcher import SpawnFailed
-from clusterlm.launch.preemption import Preempted, PreemptionWatch
+from clusterlm.launch.preemption import Interrupted, Preempted, PreemptionWatch, interrupt
 from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines import full_plan, ifd_plan, less_plan, longest_plan, random_plan, s2l_plan
@@ -267,28 +266,7 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
           "ratio(s); "
           f"{len(done)} done earlier (in {state_path}), {len(todo)} to run")
     if todo:
-        saved_threads = torch.get_num_threads()  # the selection sets its own; the caller's is restored, error or not
-        # A preemption signal stops a selection at once (its stored features are kept), a training after its step
-        # (the trainer's own watch): the finished units are in STATE, the stopped one resumes on the rerun.
-        watch = PreemptionWatch(config.train.preemption_grace, forward=_stop_now)
-        unit = ""
-        try:
-            session = _Session.load(config, eval_sets, data_path, eval_path, work=out)
-            session.check_budgets()
-            for ratio, method, seed in todo:
-                unit = _run_name(ratio, method, seed)
-                record = {"key": keys[ratio], "ratio": ratio,
-                          **session.run_unit(method, seed, out / "runs" / unit, done, ratio=ratio,
-                                             store_root=out / FEATURES, key=keys[ratio])}
-                _append_state(state_path, record)
-                done[(ratio, method, seed)] = record
-        except (Preempted, _Stopped) as e:
-            where = f"in unit {unit} {e.stopped}" if isinstance(e, Preempted) else f"during {unit or 'the setup'}"
-            raise Preempted(f"{where}; {len(done)} of {len(wanted)} units done ({state_path})",
-                            f"clusterlm compare --config {out / COMPARE_CONFIG}", e.signal_name) from None
-        finally:
-            watch.close()
-            torch.set_num_threads(saved_threads)
+        _run_units(config, (eval_sets, data_path, eval_path), keys, todo, done, len(wanted))
     records = [done[u] for u in wanted]
     result = build_result(list(config.methods), list(config.seeds), config.all_ratios, settings, keys, records,
                           eval_meta, decide_by=config.decide_by)
@@ -299,21 +277,36 @@ def compare(config: CompareConfig | Mapping[str, Any]) -> CompareResult:
     return CompareResult(result)
 
 
-class _Stopped(BaseException):  # noqa: N818 - not an Exception: no handler of the selection code may take it
-    """A preemption signal in the comparison's own process (a selection): raised at once by its handler."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signal_name = signal.Signals(signum).name
-
-
-def _stop_now(signum: int) -> None:
-    raise _Stopped(signum)
+def _run_units(config: CompareConfig, inputs: tuple[Any, ...], keys: dict[float, str],
+               todo: list[tuple[float, str, int]], done: dict[Any, Any], n_units: int) -> None:
+    """Run the units ``todo`` on ``inputs`` (eval sets, data and held-out paths), each recorded in STATE and ``done``.
+    A preemption signal stops a selection at once (its stored features are kept), a training after its step (the
+    trainer's own watch): :class:`Preempted`; the stopped unit's training resumes on the rerun."""
+    out = Path(config.out)
+    saved_threads = torch.get_num_threads()  # the selection sets its own; the caller's is restored, error or not
+    watch = PreemptionWatch(config.train.preemption_grace, forward=interrupt)
+    unit = ""
+    try:
+        session = _Session.load(config, *inputs, work=out)
+        session.check_budgets()
+        for ratio, method, seed in todo:
+            unit = _run_name(ratio, method, seed)
+            record = {"key": keys[ratio], "ratio": ratio,
+                      **session.run_unit(method, seed, out / "runs" / unit, done, ratio=ratio,
+                                         store_root=out / FEATURES, key=keys[ratio])}
+            _append_state(out / STATE, record)
+            done[(ratio, method, seed)] = record
+    except (Preempted, Interrupted) as e:
+        where = f"in unit {unit} {e.stopped}" if isinstance(e, Preempted) else f"during {unit or 'the setup'}"
+        raise Preempted(f"{where}; {len(done)} of {n_units} units done ({out / STATE})",
+                        f"clusterlm compare --config {out / COMPARE_CONFIG}", e.signal_name) from None
+    finally:
+        watch.close()
+        torch.set_num_threads(saved_threads)
 
 
 def _stopped_unit(run_dir: Path, key: str) -> tuple[float, float, bool] | None:
-    """(selection seconds charged, measured, features reused) of the unit of settings ``key`` in ``run_dir`` when its
-    training stopped after a checkpoint; None otherwise (the unit starts again)."""
+    """(selection s charged, measured, features reused) of a unit of settings ``key`` stopped after a checkpoint."""
     try:
         rec = json.loads((run_dir / UNIT_SELECTION).read_text(encoding="utf-8"))
     except (OSError, ValueError):

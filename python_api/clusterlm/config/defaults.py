@@ -18,8 +18,11 @@ DEFAULT_BATCH_TOKENS = 8192  # padded tokens per featurization forward
 LAYER_PRESETS = ("paper", "lm_head", "all-linear", "lora")
 DEFAULT_DIM = (32, 32)  # projected feature size k_o x k_i (one default for every caller)
 
-# Within-cluster picks (selection.picking) and cluster -> rank allocations (selection.allocation)
-WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter")
+# Within-cluster picks (selection.picking): geometric ones, then those on the per-example signals that come with the
+# features (gradient norm, loss; selection.signals), alone and combined with the distance to the centroid; and
+# cluster -> rank allocations (selection.allocation)
+WITHIN_CLUSTER = ("farthest", "nearest", "random", "kcenter", "grad-norm", "loss", "rank-farthest-loss",
+                  "rank-farthest-grad-norm", "alternate-loss-farthest")
 ALLOCATIONS = ("cluster-per-rank", "stratified")
 
 # The authors' selection (selection.paper)

@@ -315,7 +315,11 @@ class SelectConfig(Config):
             ``"exact"`` (this library's capacity K-means; the only choice of the default preset).
         max_cluster_size / min_cluster_size: per-cluster bounds: an int, ``"<f>x"`` (times N / C),
             ``"budget"`` (the per-cluster pick) or None.
-        within_cluster: ``"farthest"`` | ``"nearest"`` | ``"random"`` | ``"kcenter"``.
+        within_cluster: which members of a cluster are kept (:mod:`clusterlm.selection.picking`, docs/selection.md):
+            ``"farthest"`` from the centroid (the method's) | ``"nearest"`` | ``"random"`` | ``"kcenter"``; or on the
+            per-example signals computed with the features: ``"grad-norm"`` / ``"loss"`` (largest first),
+            ``"rank-farthest-loss"`` / ``"rank-farthest-grad-norm"`` (rank sum with the distance),
+            ``"alternate-loss-farthest"`` (the hardest and the farthest in turn).
         allocation: ``"cluster-per-rank"`` | ``"stratified"``.
         token_balance: align per-step token counts across ranks (None: the preset's, on for ``"default"``).
         clusters_per_rank: clusters C / K per rank.

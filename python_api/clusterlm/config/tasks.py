@@ -256,7 +256,8 @@ class TaskConfig(Config):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"tasks: {name} must be an int >= 1, got {value!r}.")
             if value < 1:
-                raise ValueError(f"tasks: --{name.replace('_', '-')} {value!r} is out of range: it must be an int >= 1.")
+                raise ValueError(f"tasks: --{name.replace('_', '-')} {value!r} is out of range: it must be an int "
+                                 ">= 1.")
         for name in ("task_temperature", "task_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

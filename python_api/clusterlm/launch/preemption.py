@@ -41,8 +41,9 @@ from clusterlm.fileio import atomic_write_text
 from clusterlm.launch.environment import LAUNCHER_PID_ENV, env_pid, under_torchrun
 
 __all__ = ["DEFAULT_GRACE_S", "DUPLICATE_WINDOW_S", "PREEMPTED", "PREEMPTED_EXIT", "PREEMPTION_SIGNALS",
-           "SHUTDOWN_MARGIN_S", "Preempted", "PreemptionWatch", "TrainPreempted", "launched",
-           "preemption_signals_blocked", "read_preempted", "record_preemption", "unblock_preemption_signals"]
+           "SHUTDOWN_MARGIN_S", "Interrupted", "Preempted", "PreemptionWatch", "TrainPreempted", "interrupt",
+           "launched", "preemption_signals_blocked", "read_preempted", "record_preemption",
+           "unblock_preemption_signals"]
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" — a preempted run is resumed, not failed
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -80,6 +81,20 @@ class TrainPreempted(Preempted):
 
     def record(self) -> dict[str, Any]:
         return {"step": self.step, "checkpoint": self.checkpoint, "signal": self.signal_name, "time": time.time()}
+
+
+class Interrupted(BaseException):  # noqa: N818 - not an Exception: no ``except Exception`` of the work may take it
+    """A preemption signal, raised at once in the main thread by :func:`interrupt` (the ``forward`` of a
+    :class:`PreemptionWatch` over work that can stop anywhere and keeps what it stored, e.g. a selection)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal_name = signal.Signals(signum).name
+
+
+def interrupt(signum: int) -> None:
+    """Raise :class:`Interrupted` (a :class:`PreemptionWatch`'s ``forward``: the first signal stops the work now)."""
+    raise Interrupted(signum)
 
 
 def read_preempted(out: str | os.PathLike, since: float = 0.0) -> TrainPreempted | None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from clusterlm.data import fingerprint
-from clusterlm.plan.fileformat import PLAN_VERSION, read_plan_files, write_plan_files
+from clusterlm.plan.fileformat import PLAN_VERSION, SIGNAL_ARRAYS, read_plan_files, write_plan_files
 from clusterlm.plan.invariants import PlanInvariants, jsonable
 from clusterlm.plan.summary import PlanSummary
 
@@ -69,6 +69,10 @@ class Plan(PlanInvariants, PlanSummary):
         stats: JSON-serialisable statistics.
         version: format version of the files it was read from (:data:`clusterlm.plan.fileformat.PLAN_VERSION` for a
             new plan, and what :meth:`save` always writes).
+        grad_norms: (N,) float64 norm of every example's gradient feature before normalisation, or None (a plan
+            made without features, or saved before they were kept): with :attr:`losses`, why an example was picked.
+        losses: (N,) float64 mean answer-token loss of every example in its feature window (from the featurizer's
+            forward pass), or None.
 
     Raises:
         ValueError: (from :meth:`validate`, run on construction) any broken invariant.
@@ -87,6 +91,8 @@ class Plan(PlanInvariants, PlanSummary):
     timings: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
+    grad_norms: np.ndarray | None = None
+    losses: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rank_indices, np.ndarray) and self.rank_indices.ndim == 2:
@@ -102,6 +108,9 @@ class Plan(PlanInvariants, PlanSummary):
         self.distances = _as_float64(self.distances, "distances")
         self.cluster_sizes = _as_int64(self.cluster_sizes, "cluster_sizes")
         self.lengths = _as_int64(self.lengths, "lengths")
+        for name in SIGNAL_ARRAYS:
+            if getattr(self, name) is not None:
+                setattr(self, name, _as_float64(getattr(self, name), name))
         self.validate()
 
     # ---- accessors --------------------------------------------------------------------------------
@@ -277,7 +286,7 @@ class Plan(PlanInvariants, PlanSummary):
             "distances": self.distances,
             "lengths": self.lengths,
             "cluster_sizes": self.cluster_sizes,
-        }
+        } | {name: getattr(self, name) for name in SIGNAL_ARRAYS if getattr(self, name) is not None}
 
     def _summary_fields(self) -> dict[str, Any]:
         """plan.json's summaries of the arrays (:data:`clusterlm.plan.fileformat.SUMMARY_FIELDS`), as JSON values."""
@@ -363,6 +372,7 @@ class Plan(PlanInvariants, PlanSummary):
             timings=meta.get("timings") or {},
             stats=meta.get("stats") or {},
             version=meta["version"],
+            **{name: data.get(name) for name in SIGNAL_ARRAYS},
         )
         files.check_summaries(plan._summary_fields())
         return plan

@@ -7,7 +7,8 @@ A :class:`clusterlm.plan.Plan` is saved as (``Plan.save(dir)`` -> :func:`write_p
                 ``arrays``: the file name and sha256 of plan.npz and the sha256 of each of its arrays
                 (``arrays.checksums``), and ``checksums``: the sha256 of every other field's content
     plan.npz    rank_indices (K, m) int64, weights (N,) float64, cluster_labels (N,) int64,
-                distances (N,) float64, lengths (N,) int64, cluster_sizes (C,) int64
+                distances (N,) float64, lengths (N,) int64, cluster_sizes (C,) int64; and, when the plan
+                has them (:data:`SIGNAL_ARRAYS`), grad_norms (N,) float64 and losses (N,) float64
 
 Both are written to temporary files and renamed into place (npz first); nothing is pickled and the
 arrays are read back with ``allow_pickle=False``.
@@ -21,6 +22,11 @@ field), not ignored. Each field's checksum (of its content, so re-indenting or r
 supported edit) refuses any other edit; to change a plan, load it, change it and save it. A plan.npz of
 another save, a truncated or foreign file and a field of the wrong type are refused in one ``ValueError``
 naming the file and the field; an array in plan.npz that is not a plan's is ignored with a warning naming it.
+
+Signals. ``grad_norms`` and ``losses`` (each example's gradient-feature norm and loss, from the featurizer) are
+optional arrays of plan.npz, checksummed like the others when present: a plan without them (made without features,
+or by an older clusterlm) loads as before, so they need no new version; an older clusterlm reading a plan with them
+warns that it ignores them.
 
 Versions. Version 2 (:data:`PLAN_VERSION`, written now) always carries the checksums: a version-2 plan.json
 without them was edited and is refused. Version 1 is still read: the checksums are checked where it has them
@@ -50,8 +56,8 @@ import numpy as np
 from clusterlm.fileio import atomic_write_bytes, read_versioned_json
 
 __all__ = [
-    "ARRAY_NAMES", "PLAN_FORMAT", "PLAN_JSON", "PLAN_NPZ", "PLAN_VERSION", "READABLE_VERSIONS", "SUMMARY_FIELDS",
-    "PlanFiles", "plan_dir_hint", "read_plan_files", "read_plan_meta", "write_plan_files",
+    "ARRAY_NAMES", "PLAN_FORMAT", "PLAN_JSON", "PLAN_NPZ", "PLAN_VERSION", "READABLE_VERSIONS", "SIGNAL_ARRAYS",
+    "SUMMARY_FIELDS", "PlanFiles", "plan_dir_hint", "read_plan_files", "read_plan_meta", "write_plan_files",
 ]
 
 PLAN_FORMAT = "clusterlm.plan"
@@ -60,6 +66,7 @@ READABLE_VERSIONS = (1, 2)
 PLAN_JSON = "plan.json"
 PLAN_NPZ = "plan.npz"
 ARRAY_NAMES = ("rank_indices", "weights", "cluster_labels", "distances", "lengths", "cluster_sizes")
+SIGNAL_ARRAYS = ("grad_norms", "losses")  # optional arrays: the per-example signals of the features
 # plan.json fields that summarise plan.npz (checked against it on load); "arrays" and "checksums" carry checksums.
 SUMMARY_FIELDS = ("n_examples", "n_selected", "per_rank", "cluster_sizes", "clusters", "ranks")
 _NOT_SUMMED = ("arrays", "checksums")
@@ -98,7 +105,7 @@ def write_plan_files(directory: str | os.PathLike, fields: dict[str, Any], array
         directory: the plan directory.
         fields: plan.json's fields in file order (JSON values), without ``format``, ``version``, ``arrays`` and
             ``checksums``, which are added here.
-        arrays: plan.npz's arrays (:data:`ARRAY_NAMES`).
+        arrays: plan.npz's arrays (:data:`ARRAY_NAMES`, and those of :data:`SIGNAL_ARRAYS` the plan has).
 
     Returns:
         The directory.
@@ -283,7 +290,7 @@ def _parse_npz(npz_path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], list[
         if missing:
             raise ValueError(f"Plan.load: {npz_path} lacks the arrays {missing}. Save the plan again.")
         data = {}
-        for k in ARRAY_NAMES:
+        for k in (*ARRAY_NAMES, *(name for name in SIGNAL_ARRAYS if name in npz.files)):
             try:
                 data[k] = npz[k]
             except ValueError as e:
@@ -295,7 +302,7 @@ def _parse_npz(npz_path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], list[
                 raise _broken_npz(npz_path, e) from None
             except (zipfile.BadZipFile, EOFError, OSError, KeyError, zlib.error) as e:
                 raise _broken_npz(npz_path, e) from None
-        extra = sorted(k for k in npz.files if k not in ARRAY_NAMES)
+        extra = sorted(k for k in npz.files if k not in ARRAY_NAMES and k not in SIGNAL_ARRAYS)
     return data, extra
 
 
@@ -308,7 +315,9 @@ def _read_arrays(npz_path: Path, json_path: Path, record: dict[str, Any]) -> tup
     whole = record.get("sha256")
     data, extra = _parse_npz(npz_path, raw)  # a truncated file is named as such, whatever its checksum
     sums = record.get("checksums") or {}
-    differ = [k for k in ARRAY_NAMES if k in sums and _array_digest(data[k]) != sums[k]]
+    differ = [k for k in data if k in sums and _array_digest(data[k]) != sums[k]]
+    # the optional arrays: present in plan.npz exactly when the checksums list them (else another save's plan.npz)
+    differ += [k for k in SIGNAL_ARRAYS if sums and (k in data) != (k in sums)]
     if whole and hashlib.sha256(raw).hexdigest() != whole:
         shown = f"; arrays {', '.join(map(repr, differ))} differ" if differ else ""
         raise ValueError(

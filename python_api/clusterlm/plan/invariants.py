@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.plan.fileformat import PLAN_VERSION, READABLE_VERSIONS
+from clusterlm.plan.fileformat import PLAN_VERSION, READABLE_VERSIONS, SIGNAL_ARRAYS
 
 __all__ = ["PlanInvariants", "jsonable"]
 
@@ -56,7 +56,8 @@ class PlanInvariants:
 
         Raises:
             ValueError: wrong world size or version, unequal or non-1-D per-rank lists, indices out of
-                range or repeated (within or across ranks), arrays whose shapes disagree, negative or
+                range or repeated (within or across ranks), arrays whose shapes disagree (the optional gradient
+                norms and losses too; non-finite ones, negative norms), negative or
                 non-finite weights, weight outside the selection, mean selected weight not 1, cluster
                 labels out of range or cluster sizes that disagree with them, negative lengths, a
                 fingerprint whose size is not N, or config/timings/stats that cannot be stored as JSON.
@@ -99,6 +100,14 @@ class PlanInvariants:
             shape = getattr(self, name).shape
             if shape != (n,):
                 raise ValueError(f"Plan.{name}: expected shape ({n},) like weights, got {shape}.")
+        for name in SIGNAL_ARRAYS:  # optional: the per-example signals of the features
+            values = getattr(self, name, None)
+            if values is None:
+                continue
+            if values.shape != (n,):
+                raise ValueError(f"Plan.{name}: expected shape ({n},) like weights, or None, got {values.shape}.")
+            if not np.isfinite(values).all() or (name == "grad_norms" and (values < 0).any()):
+                raise ValueError(f"Plan.{name}: must be finite{' and >= 0' if name == 'grad_norms' else ''}.")
         if self.cluster_sizes.ndim != 1:
             raise ValueError(f"Plan.cluster_sizes: expected shape (C,), got {self.cluster_sizes.shape}.")
         fp = self.fingerprint

@@ -49,6 +49,13 @@ class PlanSummary:
             )
         return rows
 
+    def _signals_line(self) -> str:
+        """Mean loss and gradient norm of the selected examples against all (the plan's signals), or ""."""
+        selected = np.concatenate(self.rank_indices)
+        parts = [f"{label} {values[selected].mean():.4g} (all {values.mean():.4g})"
+                 for label, values in (("loss", self.losses), ("gradient norm", self.grad_norms)) if values is not None]
+        return "selected mean " + ", ".join(parts) if parts else ""
+
     def summary(self) -> str:
         """A plain-text report: per rank (clusters, examples, tokens, weight), per cluster (n_c, s_c,
         weight) and stage timings; the first line states a paper-preset shortfall against the request."""
@@ -81,6 +88,9 @@ class PlanSummary:
         tokens = self.per_rank_tokens()
         if tokens.mean() > 0:
             lines.append(f"token imbalance (max/mean over ranks): {tokens.max() / tokens.mean():.3f}")
+        signals = self._signals_line()
+        if signals:
+            lines.append(signals)
         budget = self.stats.get("token_budget")
         if isinstance(budget, Mapping):
             lines.append(f"token budget: {budget['selected_tokens']:,} of {budget['requested_tokens']:,} tokens "

@@ -60,7 +60,13 @@ from clusterlm.models import load_model, resolve_device
 from clusterlm.plan import Plan
 from clusterlm.plan.report import draw_report, save_report_data
 from clusterlm.selection.distributed import DistributedClustering, featurize_sharded
-from clusterlm.selection.select import build_featurizer, feature_settings, featurizer_record, select_from_features
+from clusterlm.selection.select import (
+    build_featurizer,
+    check_store_signals,
+    feature_settings,
+    featurizer_record,
+    select_from_features,
+)
 from clusterlm.selection.store import FeatureStore
 
 __all__ = ["SELECT_CONFIG", "STORE_KEY", "SelectJob", "SpawnFailed", "check_job", "run_select", "writable_dir"]
@@ -241,11 +247,14 @@ def _select(job: SelectJob, info: DistInfo | None, stop: Callable[[], None] | No
                                          data, store_dir, info, show)
     if stop is not None:
         stop()
+    signals = FeatureStore(store_dir).signals()  # each example's gradient norm and loss, stored with the features
+    check_store_signals(signals, s, store_dir)
     plan = select_from_features(
         feats, job.config, lengths=data.lengths, fingerprint=data.fingerprint(), model_id=model_id,
         timings={"features": time.perf_counter() - t1}, cluster_fn=cluster_fn, resolved=s,
         device=featurizer.device,  # the K-means runs on the model's GPU when it can (select.kmeans_device)
         extra_config={"features": featurizer_record(featurizer, s), **extra, "data": _data_record(job, data)},
+        signals=signals,
     )
     if main_rank:
         _save(job, plan, feats, s, t0 if info else None)

@@ -78,11 +78,12 @@ from clusterlm.selection.allocation import (
 )
 from clusterlm.selection.features import GradientFeaturizer
 from clusterlm.selection.paper import authors_clustering, normalize_rows, paper_picks
-from clusterlm.selection.picking import l2_normalize, pick_in_cluster
+from clusterlm.selection.picking import SIGNAL_PICKS, l2_normalize, needs_signals, pick_in_cluster
+from clusterlm.selection.signals import ExampleSignals
 
 __all__ = [
-    "ClusterFn", "build_featurizer", "feature_settings", "featurizer_record", "kmeans_device", "select",
-    "select_from_features",
+    "ClusterFn", "build_featurizer", "check_store_signals", "feature_settings", "featurizer_record", "kmeans_device",
+    "select", "select_from_features",
 ]
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,6 +108,7 @@ def select_from_features(
     cluster_fn: ClusterFn | None = None,
     resolved: ResolvedSelection | None = None,
     device: Any = None,
+    signals: ExampleSignals | None = None,
     **overrides: Any,
 ) -> Plan:
     """Cluster fixed per-example features and build the :class:`Plan` (steps 2-4 of the method).
@@ -128,13 +130,17 @@ def select_from_features(
             features are copied there once and the CUDA K-means runs when ``kmeans_backend`` is ``"cuda"``, or
             ``"auto"`` with the CUDA part of ``cluster_kernels._C`` built; None: the device of ``features`` (a CUDA
             tensor's, else the CPU). Picks and the plan are computed on the host copy.
+        signals: every example's gradient norm and loss (:class:`clusterlm.selection.signals.ExampleSignals`, from
+            ``GradientFeaturizer.featurize(..., return_signals=True)`` or ``FeatureStore.signals()``): the
+            signal picks (``within_cluster="loss"``, ...) rank by them, and the plan keeps them
+            (``Plan.grad_norms``, ``Plan.losses``). Not needed by the geometric picks.
 
     Returns:
         The Plan (per-rank indices of equal length, weights, labels, distances, statistics).
 
     Raises:
         ValueError / TypeError: bad settings (each names the setting and the fix), a budget that leaves no
-            example per cluster, bounds no clustering can meet.
+            example per cluster, bounds no clustering can meet, a signal pick without ``signals``.
     """
     config = (config or SelectConfig()).replace(**overrides)
     if device is None and hasattr(features, "device"):
@@ -145,6 +151,7 @@ def select_from_features(
         raise ValueError(f"select: the settings were resolved for {s.n} examples, the features have {x.shape[0]} "
                          "rows; resolve them for these features (config.resolve(len(features), lengths)).")
     lengths = check_lengths(lengths, x.shape[0])
+    _check_signals(signals, s, x.shape[0])
     stage: dict[str, float] = dict(timings or {})
     if s.clustering == "authors":
         x = normalize_rows(x) if s.normalize else np.asarray(x, dtype=np.float32)  # their F.normalize, float32
@@ -155,12 +162,27 @@ def select_from_features(
                   cluster_fn=cluster_fn, device=kmeans_device(device, config.kmeans_backend))
     stage["kmeans"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    picked = _pick(x, km, s, lengths, seed=s.seed)
+    picked = _pick(x, km, s, lengths, seed=s.seed, signals=signals)
     stage["picks"] = time.perf_counter() - t0
     stage["total"] = sum(v for k, v in stage.items() if k != "total")
     record = config.record(s, x.shape[1]) | dict(extra_config or {})
     return _assemble_plan(km, s, picked, lengths, seed=s.seed, config=record, timings=stage,
-                          fingerprint=fingerprint, model_id=model_id)
+                          fingerprint=fingerprint, model_id=model_id, signals=signals)
+
+
+def _check_signals(signals: Any, s: ResolvedSelection, n: int) -> None:
+    """The signals are one per example (or absent), and present where the pick ranks by them."""
+    if signals is not None and not isinstance(signals, ExampleSignals):
+        raise TypeError(f"select: signals must be a clusterlm.selection.signals.ExampleSignals or None, got "
+                        f"{type(signals).__name__}.")
+    if signals is not None and len(signals) != n:
+        raise ValueError(f"select: signals has {len(signals)} examples, the features {n} rows; pass the signals "
+                         "computed with these features.")
+    if signals is None and needs_signals(s.within_cluster) and s.preset.picks != "paper":
+        raise ValueError(f"select: within_cluster={s.within_cluster!r} ranks by each example's "
+                         f"{SIGNAL_PICKS[s.within_cluster]}, computed with the features; select_from_features got "
+                         "no signals: pass signals= (GradientFeaturizer.featurize(..., return_signals=True)), or use "
+                         "select() / clusterlm select, which compute them.")
 
 
 def _check_features(features: Any) -> np.ndarray:
@@ -270,7 +292,8 @@ def _clustering_stats(km: Any, s: ResolvedSelection) -> dict[str, Any]:
     return {"method": "exact: capacity K-means", "cap": s.max_cluster_size, "cap_bound": bound}
 
 
-def _pick(x: np.ndarray, km: Any, s: ResolvedSelection, lengths: np.ndarray, *, seed: int) -> _Picked:
+def _pick(x: np.ndarray, km: Any, s: ResolvedSelection, lengths: np.ndarray, *, seed: int,
+          signals: ExampleSignals | None = None) -> _Picked:
     """Step 3: the per-cluster count, the picks in every cluster, token rebalancing."""
     if s.preset.picks == "paper":
         return _paper_pick(km, s)
@@ -288,8 +311,8 @@ def _pick(x: np.ndarray, km: Any, s: ResolvedSelection, lengths: np.ndarray, *, 
         )
 
     def ordered(depth: int) -> list[np.ndarray]:
-        return [pick_in_cluster(mem, dist, min(depth, len(mem)), method=s.within_cluster, features=x, rng=rng)
-                for mem in members]
+        return [pick_in_cluster(mem, dist, min(depth, len(mem)), method=s.within_cluster, features=x, rng=rng,
+                                signals=signals) for mem in members]
 
     if s.tokens is not None:
         # Order more candidates than the estimate (picks may be shorter than average); kcenter is O(m n_c d).
@@ -332,8 +355,8 @@ def _even_groups(groups: list[np.ndarray], per_cluster: int, sizes: np.ndarray,
 
 def _assemble_plan(km: Any, s: ResolvedSelection, picked: _Picked, lengths: np.ndarray, *, seed: int,
                    config: dict[str, Any], timings: dict[str, float], fingerprint: Mapping[str, Any] | None,
-                   model_id: str) -> Plan:
-    """Step 4: weights, rank lists and visit orders, statistics, the Plan."""
+                   model_id: str, signals: ExampleSignals | None = None) -> Plan:
+    """Step 4: weights, rank lists and visit orders, statistics, the Plan (with the signals, when given)."""
     labels = np.asarray(km.labels, dtype=np.int64)
     sizes = np.bincount(labels, minlength=s.n_clusters).astype(np.int64)
     selected = np.concatenate(picked.groups)
@@ -368,6 +391,8 @@ def _assemble_plan(km: Any, s: ResolvedSelection, picked: _Picked, lengths: np.n
         config=config,
         timings=timings,
         stats=stats,
+        grad_norms=None if signals is None else signals.grad_norm,
+        losses=None if signals is None else signals.loss,
     )
 
 
@@ -387,8 +412,25 @@ def build_featurizer(model: Any, s: ResolvedSelection, config: SelectConfig, *, 
 
 
 def feature_settings(s: ResolvedSelection, config: SelectConfig) -> dict[str, Any]:
-    """What decides a selection's features besides the model and the data (the key of a reusable feature store)."""
-    return {"features": s.features, "dim": config.dim, "seed": s.seed, "feature_tokens": s.feature_tokens}
+    """What decides a selection's features besides the model and the data (the key of a reusable feature store;
+    ``signals``: the store keeps each example's gradient norm and loss, so a store of an older clusterlm, which has
+    none, is not reused)."""
+    return {"features": s.features, "dim": config.dim, "seed": s.seed, "feature_tokens": s.feature_tokens,
+            "signals": 1}
+
+
+def check_store_signals(signals: ExampleSignals | None, s: ResolvedSelection, store: Any) -> None:
+    """Refuse a signal pick on a feature store an older clusterlm wrote (it has no signals), naming the fix.
+
+    Raises:
+        ValueError: ``signals`` is None and ``s.within_cluster`` ranks by them.
+    """
+    if signals is None and needs_signals(s.within_cluster) and s.preset.picks != "paper":
+        where = getattr(store, "path", store)
+        raise ValueError(f"select: within_cluster={s.within_cluster!r} ranks by each example's "
+                         f"{SIGNAL_PICKS[s.within_cluster]}, which the feature store {where} does not hold (an older "
+                         "clusterlm wrote it); give another --feature-store directory (or delete this one) so that "
+                         "the features are computed again with their signals.")
 
 
 def featurizer_record(featurizer: Any, s: ResolvedSelection) -> dict[str, Any]:
@@ -437,13 +479,15 @@ def select(
     s = config.resolve(n, lengths_of(dataset) if n else None)
     featurizer = build_featurizer(model, s, config, dtype=dtype)
     t0 = time.perf_counter()
-    feats = featurizer.featurize(dataset, batch_tokens=config.batch_tokens or featurizer.auto_batch_tokens(),
-                                 store=feature_store, progress=progress)
+    feats, signals = featurizer.featurize(dataset, batch_tokens=config.batch_tokens or featurizer.auto_batch_tokens(),
+                                          store=feature_store, progress=progress, return_signals=True)
     timings = {"features": time.perf_counter() - t0}
+    check_store_signals(signals, s, feature_store)
     plan = select_from_features(
         feats, config, lengths=lengths_of(dataset), fingerprint=fingerprint(dataset),
         model_id=model_id or compute_model_id(model), timings=timings,
         extra_config={"features": featurizer_record(featurizer, s)}, resolved=s, device=featurizer.device,
+        signals=signals,
     )
     return (plan, np.asarray(feats)) if return_features else plan
 

@@ -51,7 +51,7 @@ class TaskResults:
 
 
 def run_tasks(model: Any, tokenizer: Any, config: TaskConfig, *, device: torch.device | str | None = None,
-              progress: bool = True) -> TaskResults:
+              progress: bool = True, chat_template: bool | None = None) -> TaskResults:
     """Evaluate every task of ``config`` on ``model`` (left in the train/eval mode it was in).
 
     Args:
@@ -60,6 +60,8 @@ def run_tasks(model: Any, tokenizer: Any, config: TaskConfig, *, device: torch.d
         config: the task settings; :meth:`TaskConfig.check` is called first.
         device: where generation runs (default: the model's device).
         progress: progress bars.
+        chat_template: code tasks render their prompts through the tokenizer's chat template (None: when it has
+            one; pass the training run's setting). lm-eval tasks keep lm-eval's own default (no template).
 
     Returns:
         :class:`TaskResults`.
@@ -77,8 +79,11 @@ def run_tasks(model: Any, tokenizer: Any, config: TaskConfig, *, device: torch.d
     start = time.perf_counter()
     results = TaskResults()
     for spec in config.tasks:
-        evaluate = evaluate_code_task if spec.kind == "code" else evaluate_lm_eval_task
-        metrics, records = evaluate(model, tokenizer, spec, config, device=dev, progress=progress)
+        if spec.kind == "code":
+            metrics, records = evaluate_code_task(model, tokenizer, spec, config, device=dev, progress=progress,
+                                                  chat_template=chat_template)
+        else:
+            metrics, records = evaluate_lm_eval_task(model, tokenizer, spec, config, device=dev, progress=progress)
         results.metrics.update({m if m.startswith(f"{spec.name}/") else f"{spec.name}/{m}": v
                                 for m, v in metrics.items()})
         results.records[spec.name] = records

@@ -92,15 +92,16 @@ def run_programs(jobs: Sequence[tuple[str, Problem]], timeout: float, *, workers
 
 @torch.no_grad()
 def reference_loss(model: Any, tokenizer: Any, problems: Sequence[Problem], *, batch_size: int = 8,
-                   device: torch.device | None = None) -> float | None:
-    """The token-weighted mean answer-token loss of the canonical solutions given their prompts (None: no
-    problem has one)."""
+                   device: torch.device | None = None, chat_template: bool | None = None) -> float | None:
+    """The token-weighted mean answer-token loss of the canonical solutions given their prompts, rendered as
+    :func:`clusterlm.data.load_data` renders prompt/response data (``chat_template`` as there); None: no problem
+    has one."""
     records = [{"prompt": p.prompt, "response": p.canonical_solution} for p in problems if p.canonical_solution]
     if not records:
         return None
     max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     data = load_data(records, tokenizer, max_length=max_length if isinstance(max_length, int) else None,
-                     progress=False)
+                     progress=False, chat_template=chat_template)
     device = model_device(model) if device is None else device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was_training = model.training
@@ -134,7 +135,7 @@ def _records(problems: Sequence[Problem], completions: list[list[str]],
 
 
 def evaluate_code_task(model: Any, tokenizer: Any, spec: TaskSpec, config: TaskConfig, *,
-                       device: torch.device | None = None, progress: bool = True,
+                       device: torch.device | None = None, progress: bool = True, chat_template: bool | None = None,
                        programs: Callable[[list[tuple[str, Problem]]], list[ExecutionResult]] | None = None,
                        ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate, run and score one code task (see the module docstring).
@@ -145,6 +146,8 @@ def evaluate_code_task(model: Any, tokenizer: Any, spec: TaskSpec, config: TaskC
         config: the task settings (samples, temperature, stops, k, limit, batch size, timeout).
         device: where generation runs (default: the model's device).
         progress: tqdm bars.
+        chat_template: render the prompts through the tokenizer's chat template (None: when it has one), as the
+            training data was (``TrainConfig.chat_template``).
         programs: runs the ``(program, problem)`` jobs (default: :func:`run_programs` in the sandbox); a test may
             substitute its own.
 
@@ -160,10 +163,10 @@ def evaluate_code_task(model: Any, tokenizer: Any, spec: TaskSpec, config: TaskC
                          "--allow-code-execution (allow_code_execution=True); they run in a sandbox, but they are "
                          "untrusted code on this machine.")
     problems = load_problems(spec.path or spec.name, limit=config.task_limit)
-    chat = uses_chat_template(tokenizer)
+    chat = uses_chat_template(tokenizer, chat_template)
     settings = GenerationSettings(max_new_tokens=config.task_max_new_tokens, temperature=config.task_temperature,
                                   stop=tuple(config.task_stop) + (() if chat else CODE_STOPS),
-                                  batch_size=config.task_batch_size)
+                                  batch_size=config.task_batch_size, chat_template=chat)
     completions = []
     for sample in range(config.task_samples):
         completions.append(generate(model, tokenizer, [p.prompt for p in problems],
@@ -179,7 +182,8 @@ def evaluate_code_task(model: Any, tokenizer: Any, spec: TaskSpec, config: TaskC
         passed[rec["task_id"]] = passed.get(rec["task_id"], 0) + (rec["status"] == "passed")
     scores = mean_pass_at_k([(config.task_samples, passed[p.task_id]) for p in problems], config.task_pass_k)
     metrics = {f"pass@{k}": v for k, v in scores.items()}
-    loss = reference_loss(model, tokenizer, problems, batch_size=config.task_batch_size, device=device)
+    loss = reference_loss(model, tokenizer, problems, batch_size=config.task_batch_size, device=device,
+                          chat_template=chat)
     if loss is not None:
         metrics["reference_loss"] = loss
     return metrics, records

@@ -9,22 +9,33 @@ VERDICT_FD`` (it imports nothing of clusterlm, so any Python can run it). The ha
    segment, file size, open files, processes, no core dumps;
 3. compiles the program and the test, then installs the guard (:func:`install_guard`): an audit hook, which
    cannot be removed, and replacements of the few functions audit events do not cover;
-4. writes ``ready`` to ``VERDICT_FD``, runs the program, then the test, then calls the test's own ``check`` (the
-   code object compiled from the test, checked by identity) on the entry point;
+4. writes ``ready`` to ``VERDICT_FD``, runs the program, then the test, then calls ``check`` (a function made
+   afresh from the code object compiled from the test, so rebinding or patching the program's ``check`` changes
+   nothing) on the entry point;
 5. only when that call returns writes ``<token>:passed`` to ``VERDICT_FD``, and ends with ``os._exit`` (no atexit
    handler, finalizer or thread of the program runs after the verdict). Any exception, ``SystemExit`` included,
    writes ``failed:<exception>`` instead.
 
-The token exists only as a local of :func:`main`, whose frame the guard keeps out of reach (no ``sys._getframe``,
-traceback/generator/coroutine frames, trace or profile functions, ``gc`` object walks or ``ctypes``; no reading
-``/proc/*/mem``). This defeats a program that exits early, prints ``passed``, replaces ``check`` or sets a trace
-function; it is not a boundary against a program that finds another way into the interpreter's memory (the audit
-hooks of Python are not a security mechanism): the operating-system limits of the parent are.
+The token exists only as a local of :func:`main`, whose frame the guard keeps out of reach: no ``sys._getframe``
+(it raises ValueError, which its callers handle), no traceback, generator, coroutine or async-generator frames, no
+trace or profile functions, no Python signal handlers (they receive the interrupted frame: installing one does
+nothing), no ``gc`` object walks, no ``ctypes``, no reading ``/proc/*/mem``, no native module that the program
+wrote. The guard itself depends on nothing the program can change: the harness's module leaves ``sys.modules``
+before the program starts, the builtins it calls were taken before, and the functions it puts in place keep what
+they need in keyword defaults that the audit hook refuses to show.
+
+This defeats a program that exits early, prints ``passed``, writes to the verdict pipe, replaces ``check``, rebinds
+builtins or sets a trace function. It is not a boundary against a program that reaches the interpreter's memory by
+a way not listed here (crafted bytecode, a race between threads; Python's audit hooks are not a security
+mechanism): the operating-system limits of the parent are.
 """
 
 import os
 import sys
 
+# The builtins the guard calls, taken before the program runs (it may rebind the builtins module's names); the
+# runner's module is taken out of sys.modules before the program starts, so these stay out of its reach.
+_len, _isinstance, _any, _list, _bytes, _int, _str = len, isinstance, any, list, bytes, int, str
 READY = b"ready\n"
 BLOCKED_EVENTS = (
     "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
@@ -35,7 +46,7 @@ BLOCKED_EVENTS = (
 BLOCKED_PREFIXES = ("socket.", "ctypes.", "_winapi.", "winreg.")
 FRAME_ATTRIBUTES = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
 BLOCKED_MODULES = ("posix", "_posixsubprocess", "_signal", "_ctypes")  # made again, they would be unguarded
-PATH_EVENTS = {  # event -> (indices of path arguments, index of the dir_fd argument(s) or None)
+PATH_EVENTS = {  # event -> (indices of its path arguments, indices of its dir_fd arguments)
     "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)), "os.rename": ((0, 1), (2, 3)),
     "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
     "os.truncate": ((0,), ()), "os.utime": ((0,), (3,)), "shutil.rmtree": ((0,), (1,)), "shutil.chown": ((0,), ()),
@@ -85,7 +96,7 @@ class PathRules:
 
     def resolve(self, path, depth=0):
         path = self.fspath(path)
-        if isinstance(path, bytes):
+        if _isinstance(path, _bytes):
             path = path.decode("utf-8", "surrogateescape")
         if not path.startswith("/"):
             path = self.getcwd() + "/" + path
@@ -125,11 +136,14 @@ def refuse(what):
 
 
 def check_open(rules, args):
-    path, mode, flags = (list(args) + [None, None, None])[:3]
-    if isinstance(path, int):
+    path, mode, flags = (_list(args) + [None, None, None])[:3]
+    if _isinstance(path, _int):
         return
-    writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-        isinstance(flags, int) and flags & WRITE_FLAGS)
+    if mode is None and not rules.fspath(path).startswith("/" if _isinstance(path, _str) else b"/"):
+        # os.open: the audit event does not say whether dir_fd is given, so a relative path is refused
+        refuse(f"os.open of the relative path {path!r} (give an absolute path)")
+    writes = (_isinstance(mode, _str) and _any(c in mode for c in "wax+")) or (
+        _isinstance(flags, _int) and flags & WRITE_FLAGS)
     if writes and not (rules.inside(path) or rules.resolve(path) in WRITABLE_DEVICES):
         refuse(f"writing {path!r} (outside the working directory)")
     if not writes and not rules.readable(path):
@@ -139,16 +153,22 @@ def check_open(rules, args):
 def check_paths(rules, event, args):
     paths, dir_fds = PATH_EVENTS[event]
     for i in dir_fds:
-        if i < len(args) and args[i] not in (None, -1):
+        if i < _len(args) and args[i] not in (None, -1):
             refuse(f"{event} relative to a directory descriptor")
     for i in paths:
-        if i < len(args) and args[i] is not None and not isinstance(args[i], int) and not rules.inside(args[i]):
+        if i >= _len(args) or args[i] is None:
+            continue
+        if _isinstance(args[i], _int):  # a descriptor: only one opened for writing (inside) can be truncated
+            if event != "os.truncate":
+                refuse(f"{event} on a file descriptor")
+        elif not rules.inside(args[i]):
             refuse(f"{event} on {args[i]!r} (outside the working directory)")
 
 
-def make_hook(rules):
+def make_hook(rules, wrappers):
+    """The audit hook (it cannot be removed; nothing the program can reach refers to it or to ``rules``)."""
     def hook(event, args):
-        if event == "socket.__new__" and len(args) > 1 and args[1] == UNIX_FAMILY:
+        if event == "socket.__new__" and _len(args) > 1 and args[1] == UNIX_FAMILY:
             return  # socketpair (asyncio's self-pipe); connect, bind and send are refused
         if event in BLOCKED_EVENTS or event.startswith(BLOCKED_PREFIXES):
             refuse(event)
@@ -158,63 +178,85 @@ def make_hook(rules):
             check_paths(rules, event, args)
         elif event == "sys._getframe":
             raise ValueError("call stack is not deep enough")  # what callers of sys._getframe already handle
-        elif event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRIBUTES:
-            refuse(f"reading .{args[1]}")
-        elif event == "import" and args and args[0] in BLOCKED_MODULES:
-            refuse(f"importing {args[0]} again")
+        elif event == "object.__getattr__" and _len(args) > 1:
+            if args[1] in FRAME_ATTRIBUTES:
+                refuse(f"reading .{args[1]}")
+            if args[1] in ("__defaults__", "__kwdefaults__") and _any(args[0] is w for w in wrappers):
+                refuse("reading the guard's own functions")
+        elif event == "import" and args:
+            if args[0] in BLOCKED_MODULES:
+                refuse(f"importing {args[0]} again")
+            if _len(args) > 1 and _isinstance(args[1], _str) and rules.inside(args[1]):
+                refuse(f"loading the native module {args[1]!r} (written by the program)")
     return hook
+
+
+# The functions the guard puts in place of others. They run in a namespace of their own and keep what they need
+# in keyword defaults (whose reading the audit hook refuses for them), never in closures, which any program could
+# read (``__closure__`` is not audited), or in globals it could rebind.
+WRAPPERS = """
+def make(create_builtin, create_dynamic, getsignal, blocked):
+    class Spec:
+        __slots__ = ("name", "loader", "origin", "submodule_search_locations", "cached", "parent",
+                     "has_location")
+
+        def __init__(self, name, loader, origin):
+            self.name, self.loader, self.origin = name, loader, origin
+            self.submodule_search_locations = self.cached = self.parent = None
+            self.has_location = origin is not None
+
+    def no_process(*args, **kwargs):
+        raise PermissionError("sandbox: starting a process is not allowed")
+
+    def no_handler(signalnum, handler, *, _current=getsignal):
+        # a Python handler is called with the interrupted frame: install nothing, the handler stays
+        return _current(signalnum)
+
+    def guarded_builtin(spec, *, _create=create_builtin, _spec=Spec, _blocked=blocked, _str=str, _type=type,
+                        _error=PermissionError):
+        name, loader, origin = spec.name, spec.loader, spec.origin  # each read once: the copy is what is made
+        if _type(name) is not _str or name in _blocked:
+            raise _error("sandbox: creating that module again is not allowed")
+        return _create(_spec(name, loader, origin))
+
+    def guarded_dynamic(spec, *rest, _create=create_dynamic, _spec=Spec, _blocked=blocked, _str=str, _type=type,
+                        _error=PermissionError):
+        name, loader, origin = spec.name, spec.loader, spec.origin
+        if _type(name) is not _str or name in _blocked or (origin is not None and _type(origin) is not _str):
+            raise _error("sandbox: creating that module again is not allowed")
+        return _create(_spec(name, loader, origin), *rest)
+
+    return no_process, no_handler, guarded_builtin, guarded_dynamic
+"""
 
 
 def install_guard(workdir):
     """The reliability guard: refuse process creation, signals to other processes, sockets, ctypes, frame
-    walking, trace functions, writes and deletions outside ``workdir``; most through an audit hook, the rest by
-    replacing the functions (``os.open`` with ``dir_fd``, ``_posixsubprocess.fork_exec``, re-creating blocked
-    built-in modules through ``_imp``)."""
+    walking, trace functions, signal handlers, writes and deletions outside ``workdir``; most through an audit
+    hook, the rest by replacing functions that raise no audit event (``_posixsubprocess.fork_exec``,
+    ``_signal.signal``, re-creating built-in modules through ``_imp``)."""
     import _imp
+    import _signal
     import builtins
     import faulthandler
     faulthandler.disable()
-    rules = PathRules(workdir)
-    blocked = set(BLOCKED_MODULES)
-
-    def no_process(*args, **kwargs):
-        refuse("starting a process")
-
-    def wrap_create(create):
-        def guarded(spec, *rest):
-            if getattr(spec, "name", None) in blocked:
-                refuse(f"creating the module {spec.name} again")
-            return create(spec, *rest)
-        return guarded
-
-    original_open = os.open
-
-    def guarded_open(path, flags, mode=0o777, *, dir_fd=None):
-        if dir_fd is not None:
-            refuse("os.open relative to a directory descriptor")
-        return original_open(path, flags, mode)
-
     try:  # imported now, so that importing subprocess works and its fork_exec is the refusing one
         import _posixsubprocess
-        _posixsubprocess.fork_exec = no_process
     except ImportError:
-        pass
-
-    import _signal
-    current = _signal.getsignal
-
-    def no_handler(signalnum, handler):
-        """Install nothing (a Python handler is called with the interrupted frame): the handler stays."""
-        return current(signalnum)
-
+        _posixsubprocess = None
+    space = {"__builtins__": builtins}
+    exec(WRAPPERS, space)
+    wrappers = space.pop("make")(_imp.create_builtin, _imp.create_dynamic, _signal.getsignal,
+                                 frozenset(BLOCKED_MODULES))
+    space.clear()  # nothing but the builtins, which calls need
+    space["__builtins__"] = builtins
+    no_process, no_handler, guarded_builtin, guarded_dynamic = wrappers
+    if _posixsubprocess is not None:
+        _posixsubprocess.fork_exec = no_process
     _signal.signal = no_handler
-    if "posix" in sys.modules:
-        sys.modules["posix"].open = guarded_open
-    os.open = guarded_open
-    _imp.create_builtin = wrap_create(_imp.create_builtin)
-    _imp.create_dynamic = wrap_create(_imp.create_dynamic)
+    _imp.create_builtin, _imp.create_dynamic = guarded_builtin, guarded_dynamic
     builtins.help = None  # pydoc's pager starts a process
-    sys.addaudithook(make_hook(rules))
+    sys.addaudithook(make_hook(PathRules(workdir), wrappers))
 
 
 def check_code(test_code):
@@ -281,6 +323,7 @@ def main():
     exec_, function_type = exec, type(main)
     if payload.get("guard", True):
         install_guard(os.getcwd())
+        sys.modules["__main__"] = type(sys)("__main__")  # the runner's globals out of the program's reach
     write(verdict_fd, READY)
     try:
         run(payload, codes, exec_, function_type)

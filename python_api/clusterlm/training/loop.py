@@ -404,7 +404,7 @@ def evaluate_tasks(run: Run, state: State) -> None:
     was_training = model.training
     try:
         results = run_tasks(model, run.tokenizer, run.config.tasks, device=run.di.device,
-                            progress=run.config.progress)
+                            progress=run.config.progress, chat_template=CHAT_TEMPLATE_MODES[run.config.chat_template])
     finally:
         model.train(was_training)
     record = {"step": state.step, "metrics": results.metrics, "records": results.records}

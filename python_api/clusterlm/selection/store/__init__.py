@@ -35,7 +35,7 @@ recomputes just that block (blocks that fail in ``features.npy`` are re-listed a
 sound neighbours are kept and read back from ``features.npy``). ``begin`` drops truncated or missing
 shard files up front (a warning), so the same run recomputes them.
 
-Versions: the manifest names its format and version (``"format": "clusterlm.selection.features", "version": 2``;
+Versions: the manifest names its format and version (``"format": "clusterlm.features", "version": 2``;
 read by :func:`clusterlm.fileio.read_versioned_json`, like plan.json). Version 2 is checksummed: a record without
 its ``sha256`` fails its check like a bit flip (the block is dropped and recomputed). Stores of version 1
 (``"format": "clusterlm.features/1"``, records that may lack ``sha256``) still read, with a warning that
@@ -71,9 +71,8 @@ succeed and one writer at a time is assumed.)
 
 Modules: :mod:`~clusterlm.selection.store.feature_store` (``FeatureStore``: manifest, begin, write, read),
 :mod:`~clusterlm.selection.store.claims` (shard claims), :mod:`~clusterlm.selection.store.checks` (checksums, dropped
-blocks),
-:mod:`~clusterlm.selection.store.assembly` (``features.npy``), :mod:`~clusterlm.selection.store.signals` (``signals.npy``)
-and :mod:`~clusterlm.selection.store.files` (file names, npy files).
+blocks), :mod:`~clusterlm.selection.store.assembly` (``features.npy``), :mod:`~clusterlm.selection.store.signals`
+(``signals.npy``) and :mod:`~clusterlm.selection.store.files` (file names, npy files).
 """
 
 from clusterlm.selection.store.feature_store import FeatureStore

@@ -34,7 +34,7 @@ class StoreAssembly:
         if rec is None:
             raise KeyError(f"FeatureStore: shard {index} is not complete in {self.path}.")
         if self.complete:
-            start = index * self.shard_size
+            start = index * self.stored_shard_size()
             return self.features()[start : start + rec["rows"]]
         old = self._old_features() if rec.get("file") == FEATURES else None
         rows, problem = self._rows_of(int(index), rec, old)

@@ -83,7 +83,7 @@ class StoreChecks:
         if name == FEATURES:
             if old is None:
                 return None, f"(rows in {FEATURES}) {BROKEN}"
-            start = index * self.shard_size
+            start = index * self.stored_shard_size()
             rows = old[start : start + rec["rows"]]
         else:
             try:
@@ -121,8 +121,8 @@ class StoreChecks:
         self._verified = None
         parts = []
         for i, problem in sorted(bad.items())[:5]:
-            first = i * self.shard_size
-            span = f"rows {first}..{first + rows.get(i, self.shard_size) - 1}"
+            first = i * self.stored_shard_size()
+            span = f"rows {first}..{first + rows.get(i, self.stored_shard_size()) - 1}"
             parts.append(f"{span} (shard {i}) {problem}" if reopen else f"shard {i} {problem}")
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         where = self.path / FEATURES if reopen else self.path
@@ -146,7 +146,7 @@ class StoreChecks:
                 else:
                     self._warn_unchecked()
                 continue
-            start = int(key) * self.shard_size
+            start = int(key) * self.stored_shard_size()
             if rows_sha256(feats[start : start + rec["rows"]]) != rec["sha256"]:
                 bad[int(key)] = "do not match their checksum (sha256 in manifest.json; a bit flip on disk)"
         if bad:

@@ -24,7 +24,7 @@ __all__ = [
     "kept", "npy_header", "npy_layout", "preallocate", "rows_sha256", "signal_rows_sha256", "write_all",
 ]
 
-STORE_FORMAT = "clusterlm.selection.features"
+STORE_FORMAT = "clusterlm.features"  # the on-disk name: kept when the module moved (stores written earlier read)
 STORE_VERSION = 2  # 2: every shard record carries the sha256 of its rows; 1: "clusterlm.features/1", optional
 READABLE = (1, 2)
 MANIFEST = "manifest.json"

@@ -62,7 +62,7 @@ class StoreSignals:
         if rec.get("file") == FEATURES:  # a kept block of a reopened store: its signals are signals.npy's rows
             if old is None:
                 return None, f"(its signals in {SIGNALS}) {BROKEN}"
-            start = index * self.shard_size
+            start = index * self.stored_shard_size()  # the store's own (a reader may pass another)
             rows, name = old[start : start + rec["rows"]], SIGNALS
         else:
             name = self._signals_path(index).name
