@@ -307,3 +307,24 @@ def test_compare_takes_the_new_picks_as_method_variants():
         assert method_config(spec, 2, 0.31, 0).within_cluster == pick
     with pytest.raises(ValueError, match="within_cluster"):
         parse_method("cluster-paper[within_cluster=loss]")
+
+
+def test_compare_times_a_selection_only_once_the_processes_it_launched_are_gone():
+    """(compare's timing, issue item 6) A process this one launched (its environment names this process in
+    CLUSTERLM_LAUNCHER_PID, as every process of a launch does) is waited for; others are not."""
+    from clusterlm.comparison.settle import launched_processes, wait_for_launched
+    from clusterlm.launch.environment import LAUNCHER_PID_ENV
+
+    ours = subprocess.Popen(["sleep", "0.6"], env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
+    other = subprocess.Popen(["sleep", "5"], env={**os.environ, LAUNCHER_PID_ENV: "1"})
+    try:
+        if not Path("/proc/self/environ").exists():
+            pytest.skip("no /proc: nothing is waited for")
+        found = launched_processes()  # (with any other test's leftovers of this process)
+        assert ours.pid in found and other.pid not in found
+        waited = wait_for_launched(timeout=10)
+        assert ours.pid not in launched_processes() and other.poll() is None and waited > 0.1
+    finally:
+        other.kill()
+        other.wait()
+        ours.wait()

@@ -239,3 +239,16 @@ def test_train_and_compare_take_their_config_or_a_mapping_and_refuse_the_rest(tm
         clusterlm.train({"plan": "p", "model": "m", "data": "d", "out": str(tmp_path), "bogus": 1})
     with pytest.raises(ValueError, match="--data, --out are required|--plan"):  # the mapping is checked as a config
         clusterlm.train({"model": "tiny-llama"})
+
+
+def test_compare_reads_back_the_config_file_it_writes(tmp_path):
+    """OUT/compare_config.yaml is what a preempted compare says to resume with (``--config``): it parses back to
+    the same config, its training section without the settings compare gives each unit, its task section nested."""
+    config = cli.compare_config(parse_config(cli.compare_parser(), [
+        "--seeds", "2", "--lr", "1e-3", "--eval-task", "mini=p.jsonl", "--allow-code-execution",
+        "--decide-by", "mini/pass@1", "--task-limit", "5"]))
+    path = tmp_path / "compare_config.yaml"
+    config.save(path)
+    assert cli.compare_config(parse_config(cli.compare_parser(), ["--config", str(path)])) == config
+    assert CompareConfig.load(path) == config
+    assert "plan" not in CompareConfig.load(path).to_dict()["train"]

@@ -5,6 +5,9 @@ how to resume, no traceback, no per-rank progress file left; ``--resume`` then g
 weights of an uninterrupted run. ``clusterlm select --nproc 2`` signalled as a group keeps its stored shards, and
 its rerun writes the plan of an uninterrupted selection.
 
+A second signal more than the duplicate window after the first, or a grace that runs out, ends a process at once
+(the watch alone, in a small process).
+
 The preemptions are chained on one run (each stop is resumed, and the next signal stops the resumed run), so 6
 processes, not 9, give the 4 signals and their resumes; one uninterrupted 2-rank run (module fixture) is the
 reference.
@@ -17,13 +20,14 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from cli_helpers import assert_same_plan
 
 from clusterlm.cli import commands as cli
 from clusterlm.launch.hangs import PROGRESS_DIR
@@ -41,8 +45,10 @@ def _cli(*args: str) -> list[str]:
 
 
 def _train(tiny, out: Path, *extra: str) -> list[str]:
+    """test_faults.py's run (the same reference would serve both)."""
     return _cli("train", *tiny.argv(out, "--nproc", "2", "--max-steps", str(STEPS), "--micro-batch-size", "1",
-                                    "--lr", "3e-3", "--log-every", "1", "--keep-checkpoints", "20", *extra))
+                                    "--lr", "3e-3", "--save-every", "4", "--log-every", "1", "--keep-checkpoints",
+                                    "20", *extra))
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -151,9 +157,26 @@ def test_select_signalled_as_a_group_keeps_its_shards_and_the_rerun_writes_the_s
     rerun = subprocess.run(_cli(*base, "--nproc", "2", "--out", str(out)), capture_output=True, text=True,
                            timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    a, b = np.load(tmp_path / "ref" / "plan.npz"), np.load(out / "plan.npz")
-    assert sorted(a.files) == sorted(b.files)
-    for k in a.files:  # the selection exactly; the per-example diagnostics (distances, ...) to float rounding, as
-        # 2 processes give them (tests/clusterlm/test_select_distributed.py)
-        exact = k == "weights" or not np.issubdtype(a[k].dtype, np.floating)
-        np.testing.assert_allclose(a[k], b[k], rtol=0 if exact else 1e-5, atol=0, err_msg=k)
+    assert_same_plan(tmp_path / "ref", out)
+
+
+def test_a_signal_again_within_the_window_is_the_same_one_a_later_one_or_the_grace_ends_the_process():
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from clusterlm.launch.preemption import PreemptionWatch
+        watch = PreemptionWatch(float(sys.argv[1]), window=0.5)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a forwarded copy: the same preemption
+        print("noted", watch.signal_name, flush=True)
+        time.sleep(2)
+        print("alive", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # a second signal: no more grace
+        time.sleep(5)
+        print("not ended", flush=True)
+    """)
+    second = subprocess.run([sys.executable, "-c", code, "30"], capture_output=True, text=True, timeout=120)
+    assert (second.returncode, second.stdout.split()) == (128 + signal.SIGINT, ["noted", "SIGUSR1", "alive"])
+    t0 = time.monotonic()
+    grace = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True, text=True, timeout=120)
+    assert (grace.returncode, grace.stdout.split()) == (128 + signal.SIGUSR1, ["noted", "SIGUSR1"])
+    assert time.monotonic() - t0 < 60, grace.stderr

@@ -143,11 +143,15 @@ class ConfigArgumentParser(argparse.ArgumentParser):
     def apply_file(self, values: Mapping[str, Any], where: str) -> None:
         """Make a config file's values the defaults (nested mappings of ``cli=False`` configs are flattened)."""
         flat: dict[str, Any] = {}
-        for key, value in values.items():
-            if isinstance(value, Mapping) and key not in self.fields:
-                flat.update(value)  # e.g. compare's ``train:`` section
-            else:
-                flat[key] = value
+
+        def add(section: Mapping[str, Any]) -> None:
+            for key, value in section.items():
+                if isinstance(value, Mapping) and key not in self.fields:
+                    add(value)  # a nested config's section: compare's ``train:``, its ``tasks:``
+                else:
+                    flat[key] = value
+
+        add(values)
         unknown = [k for k in flat if k not in self.fields]
         if unknown:
             owners = {cls for cls, _ in self.fields.values()}

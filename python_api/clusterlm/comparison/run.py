@@ -37,21 +37,20 @@ Methods (``--methods``, comma-separated; default all):
 features are computed once per model, data and feature settings into ``OUT/features/`` and reused by every
 cluster method and ratio with those settings (a reusing unit is still charged the features' computing time).
 
-For every ``(ratio, method, seed)``: the selection runs in this process on the loaded model and is timed
-(wall clock of the selection call: everything a method needs — features, forwards, proxy training,
-LoRA warm-up, clustering; model and data loading, common to all methods, are not counted); its plan
-is saved to ``OUT/runs/<method>-r<ratio>-s<seed>/plan`` (full data: ``full-s<seed>``) and trained by the
-reference trainer (:func:`clusterlm.train`, ``nproc`` = world size) with identical hyper-parameters, seed and
-held-out data for every method; training seconds = the trainer's ``train_time_s`` (the sum over steps
-of the slowest rank's step time: training proper, without model loading and evaluation); total =
-selection + training. Held-out loss = the trainer's final token-weighted answer loss on the
-evaluation data (default: the demo held-out split minus the last ``--n-validation`` examples, which
-LESS uses as its validation set, so no method is evaluated on examples it saw; by default 32 when LESS is
-among the methods and 0 otherwise, and the value is part of the settings key, so records evaluated on
-other examples are never mixed).
+For every ``(ratio, method, seed)``: the selection runs in this process on the loaded model and is timed (wall clock
+of the selection call: everything a method needs — features, forwards, proxy training, LoRA warm-up, clustering; model
+and data loading, common to all methods, are not counted); its plan is saved to
+``OUT/runs/<method>-r<ratio>-s<seed>/plan`` (full data: ``full-s<seed>``) and trained by the reference trainer
+(:func:`clusterlm.train`, ``nproc`` = world size) with identical hyper-parameters, seed and held-out data for every
+method; training seconds = the trainer's ``train_time_s`` (the sum over steps of the slowest rank's step time:
+training proper, without model loading and evaluation); total = selection + training. Held-out loss = the trainer's
+final token-weighted answer loss on the evaluation data (default: the demo held-out split minus the last
+``--n-validation`` examples, which LESS uses as its validation set, so no method is evaluated on examples it saw; by
+default 32 when LESS is among the methods and 0 otherwise, and the value is part of the settings key, so records
+evaluated on other examples are never mixed).
 
-Selection runs with ``world_size x --threads`` torch threads on CPU: the CPU budget the training ranks
-have together.
+Selection runs with ``world_size x --threads`` torch threads on CPU (the training ranks' CPUs together), once the
+processes of the previous unit's training have exited (:mod:`clusterlm.comparison.settle`).
 
 Resumable: each finished ``(ratio, method, seed)`` is appended to ``OUT/compare_state.jsonl`` with a key of the
 settings at its ratio (with its per-example held-out losses); a rerun with the same settings skips those and
@@ -105,6 +104,7 @@ from clusterlm.comparison.evaluation import (
 from clusterlm.comparison.metrics import item_scores
 from clusterlm.comparison.output import FEATURES, CompareResult, build_result, markdown_table
 from clusterlm.comparison.plot import plot_compare
+from clusterlm.comparison.settle import wait_for_launched
 from clusterlm.config.comparison import (
     CLUSTER_METHODS,
     COMPARE_CONFIG,
@@ -440,6 +440,7 @@ class _Session:
         return root / _key(what)
 
     def _timed_select(self, method: str, seed: int, store: Path | None = None) -> tuple[Any, float]:
+        wait_for_launched()  # the last training's fork server tears down for ~1 s: not on this selection's CPUs
         if not self.use_cuda:  # the trainer restores its own thread count; set ours again per unit
             torch.set_num_threads(selection_threads(self.config))
         else:

@@ -308,6 +308,13 @@ class CompareConfig(Config):
         """``ratios``, else ``[ratio]``."""
         return [float(r) for r in (self.ratios or (self.ratio,))]
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, ``train`` without the settings compare gives every unit itself (:data:`TRAIN_PER_UNIT`:
+        plan, data, out, seed, ...), so that the file reads back through ``clusterlm compare --config``."""
+        data = super().to_dict()
+        data["train"] = {k: v for k, v in data["train"].items() if k not in TRAIN_PER_UNIT}
+        return data
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "CompareConfig") -> CompareConfig:  # type: ignore[override]
         """The config of a mapping (``train`` a nested mapping over compare's training defaults; an unknown name is

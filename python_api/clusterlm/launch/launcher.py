@@ -212,6 +212,8 @@ def spawn(
         # here meanwhile is passed on when the block ends
         with preemption_signals_blocked() if agent else contextlib.nullcontext():
             started.append(subprocess.Popen(cmd, env=full_env))
+        if watch.noted() and not agent:  # it came before the child was there to take it
+            _signal_child(started, watch.signal)
         rc = started[0].wait()
     finally:
         watch.close()

@@ -49,10 +49,9 @@ def kcenter(x: np.ndarray, dist: np.ndarray, m: int) -> np.ndarray:
     return np.asarray(chosen, dtype=np.int64)
 
 
-def _descending(members: np.ndarray, score: np.ndarray, then: np.ndarray | None = None) -> np.ndarray:
-    """Positions of ``members`` by decreasing ``score`` (ties: decreasing ``then``, then increasing index)."""
-    keys = (members, -score) if then is None else (members, -then, -score)
-    return np.lexsort(keys)
+def _descending(members: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Positions of ``members`` by decreasing ``score`` (ties: the lower data-set index first)."""
+    return np.lexsort((members, -score))
 
 
 def _rank_combination(members: np.ndarray, d: np.ndarray, s: np.ndarray) -> np.ndarray:

@@ -270,12 +270,15 @@ def _train(config: TrainConfig) -> TrainResult:
 
 
 def _preempted_before_a_step(config: TrainConfig) -> Preempted:
-    """A preemption that stopped the ranks before they had trained a step (none recorded it)."""
-    found = find_checkpoint(config.out, LATEST)  # of an earlier run in OUT
-    if found is None:
-        return Preempted("before the ranks had trained a step: no checkpoint", "the same command")
-    return Preempted(f"before the ranks had trained a step: the latest checkpoint is {found}",
-                     f"clusterlm train --config {Path(config.out) / TRAIN_CONFIG} --resume")
+    """A preemption that ended the ranks before they checkpointed a step (none recorded it: they were stopped before
+    their first step, or the grace ran out)."""
+    out = Path(config.out)
+    found = find_checkpoint(out, LATEST)  # an earlier one
+    where = f"the latest checkpoint is {found}" if found else "no checkpoint"
+    if found is None and not (out / METRICS).exists():  # nothing of this run is kept (OUT goes if it made it)
+        return Preempted(f"before the ranks checkpointed a step: {where}", "the same command")
+    return Preempted(f"before the ranks checkpointed a step: {where}",
+                     f"clusterlm train --config {out / TRAIN_CONFIG} --resume")
 
 
 def _with_plan(config: TrainConfig, plan: Plan) -> TrainConfig:
