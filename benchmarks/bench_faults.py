@@ -96,7 +96,8 @@ def scenario(name: str, data: Path, root: Path, extra: list[str], fault: str, ta
     else:
         ckpts = sorted(int(p.stem.split("_")[1]) for p in (out / "ckpt").glob("step_*.pt"))
         lost = at - max((c for c in ckpts if c <= at), default=0)
-    injected = fault + {"launcher": " to the launcher", "group": " to the process group", "rank 1": ""}[target]
+    injected = fault + {"launcher": " to the launcher", "group": " to the process group",
+                        "rank 1": " to rank 1" if name.startswith("preemption") else ""}[target]
     return {"fault": name, "signal": injected, "options": " ".join(extra), "fault_at_step": at,
             "exit_status": proc.returncode, "noticed_s": round(noticed if noticed is not None else took, 1),
             "ended_s": round(took, 1), "steps_lost": lost, "message": message[:300], "date": time.strftime("%Y-%m-%d")}
