@@ -153,11 +153,11 @@ def report(args: argparse.Namespace, base: dict[str, Any], result: dict[str, Any
         sep = separating_problems(work)
         notes += [f"Training: {subsets['train']['examples']} examples of the built-in data at ratio {args.ratio} "
                   f"with --budget tokens (equal tokens), {args.epochs} epoch, {args.world_size} CPU ranks, "
-                  f"{args.seeds} seed(s); other jobs shared the 2 cores, so the seconds are upper bounds.",
-                  f"Problems that separate the units: {sep['separating']} of {problems} (solved by some unit and not "
-                  f"by another; {sep['solved_by_all']} solved by every unit). At this model size pass@1 resolves "
-                  "only differences of several problems; the reference solutions' answer-token loss moves with "
-                  "much smaller changes.", *_verdicts(result)]
+                  f"{args.seeds} seed(s); other jobs shared the 2 cores, so the seconds are upper bounds. Problems "
+                  f"that separate the units: {sep['separating']} of {problems} (solved by some unit and not by "
+                  f"another; {sep['solved_by_all']} by every unit): at this model size pass@1 resolves only "
+                  "differences of several problems; the reference solutions' answer-token loss moves with much "
+                  "smaller ones. The verdicts are compare.md's (--decide-by humaneval/pass@1)."]
         cluster = ((result["summary"].get("cluster") or {}).get("metrics") or {}).get(METRIC) or {}
         ci = cluster.get("ci95_vs_random")
         targets.append({"goal": "cluster's pass@1 above random's at equal tokens (95 % interval excludes 0)",
@@ -172,7 +172,8 @@ def report(args: argparse.Namespace, base: dict[str, Any], result: dict[str, Any
         "sections": [{"heading": "pass@1 before and after fine-tuning, paired intervals over seeds x problems",
                       "columns": COLUMNS, "rows": rows, "notes": notes}],
         "targets": targets,
-        "raw": {"settings": vars(args), "subsets": subsets, "base": base},
+        "raw": {"settings": vars(args), "subsets": subsets, "base": base,
+                "verdicts": _verdicts(result) if result is not None else []},
     }
 
 

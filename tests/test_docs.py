@@ -309,12 +309,13 @@ def test_nothing_cites_a_file_outside_the_repository() -> None:
 
 
 def test_benchmarks_md_is_current_and_short() -> None:
-    """BENCHMARKS.md and the detail files are what render_benchmarks.py makes of the results; at most 400 lines."""
+    """BENCHMARKS.md and the detail files are what render_benchmarks.py makes of the results; at most 420 lines (long
+    tables go to the detail files)."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render_benchmarks.py"), "--check"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 400
+    assert len(text.splitlines()) <= 420
     assert text.split("\n## ")[1].startswith("Summary")
 
 
