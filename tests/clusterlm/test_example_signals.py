@@ -328,3 +328,30 @@ def test_compare_times_a_selection_only_once_the_processes_it_launched_are_gone(
         other.kill()
         other.wait()
         ours.wait()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["projected", "paper"])
+def test_the_vocabulary_pass_gives_each_examples_mean_loss(backend, mode):
+    """cluster_kernels.lm_head_features(losses=...): the mean cross-entropy of each example's counted tokens, from the
+    pass that computes the features (the Triton kernel runs in the interpreter without a GPU)."""
+    from cluster_kernels._backend import has_triton
+    from cluster_kernels.lm_head_features import lm_head_features
+
+    if backend == "triton" and not has_triton():
+        pytest.skip("no Triton")
+    g = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(11, 16, generator=g), torch.randn(37, 16, generator=g)
+    labels = torch.randint(0, 37, (11,), generator=g)
+    labels[[0, 4, 5]] = -100
+    cu = torch.tensor([0, 3, 7, 11])
+    proj = {} if mode == "paper" else {"p_in": torch.randn(16, 4, generator=g),
+                                       "p_out": torch.randn(37, 3, generator=g)}
+    losses = torch.full((3,), -1.0, dtype=torch.float64)
+    lm_head_features(h, weight, labels, cu, mode=mode, backend=backend, losses=losses, **proj)
+    nll = F.cross_entropy(h.double() @ weight.double().T, labels.clamp_min(0), reduction="none")
+    keep = labels != -100
+    want = [float(nll[a:b][keep[a:b]].mean()) for a, b in ((0, 3), (3, 7), (7, 11))]
+    np.testing.assert_allclose(losses.numpy(), want, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"losses must be a floating \(3,\) tensor"):
+        lm_head_features(h, weight, labels, cu, mode=mode, losses=torch.zeros(2), **proj)

@@ -192,7 +192,7 @@ def test_two_featurizing_runs_on_one_store_both_finish_and_compute_every_shard_o
         torch.set_num_threads(threads)
     store = FeatureStore(tmp_path / "store", shard_size=8)
     np.testing.assert_array_equal(store.features(), expected)
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["features.npy", "manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["features.npy", "manifest.json", "signals.npy"]
 
 
 def test_two_writers_that_skip_claimed_shards_split_the_work(tmp_path):

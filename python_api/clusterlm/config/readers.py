@@ -132,8 +132,9 @@ def seeds_arg(value: str) -> list[int]:
             seeds = [int(v) for v in comma_items(value, trailing_comma=True)]
         else:
             seeds = list(range(int(value)))
-    except EmptyItemError:
-        raise
+    except EmptyItemError as e:  # said first, with the forms the option takes
+        raise argparse.ArgumentTypeError(f"{e}; expected a count >= 1 (3 = seeds 0,1,2) or a comma list of distinct "
+                                         "seeds >= 0 (0,5,7; one seed: 5,)") from None
     except ValueError:
         seeds = []
     if not seeds or min(seeds) < 0 or len(set(seeds)) < len(seeds):
