@@ -335,7 +335,8 @@ def test_checkpoint_discovery_and_compare_pass_through(env, tmp_path, monkeypatc
 
     # --fsdp reaches the config, its file and the ranks that read it
     parser = cli.train_parser()
-    config = cli.train_config(parse_config(parser, ["--plan", "p", "--model", "m", "--data", "d", "--out", "o", "--fsdp"]))
+    config = cli.train_config(parse_config(parser, ["--plan", "p", "--model", "m", "--data", "d", "--out", "o",
+                                                    "--fsdp"]))
     assert config.fsdp
     config.save(tmp_path / TRAIN_CONFIG)
     assert TrainConfig.load(tmp_path / TRAIN_CONFIG) == config
