@@ -58,7 +58,7 @@ from clusterlm.plan.sampler import PlanSampler
 __all__ = ["EXPORT_COLUMNS", "EXPORT_FORMAT", "ExportConfig", "as_hf_dataset", "export_files", "export_order",
            "plan_to_dataset", "save_export"]
 
-EXPORT_FORMAT = "clusterlm.integrations.export"
+EXPORT_FORMAT = "clusterlm.export"  # the on-disk name in export.json: kept when the module moved
 # Columns added to every exported row (besides the weight column).
 EXPORT_COLUMNS = ("plan_index", "plan_rank", "plan_epoch", "plan_position")
 
