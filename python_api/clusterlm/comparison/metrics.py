@@ -89,14 +89,17 @@ def decided_metric(decide_by: str | None, records: list[dict[str, Any]]) -> str:
     return decide_by
 
 
-def _arrays(rs: list[dict[str, Any]], metric: str) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(seeds, problems) scores and unit weights; per problem when every unit has the same number of them."""
-    per = [r.get("task_scores", {}).get(metric) for r in rs]
-    if all(p for p in per) and len({len(p) for p in per}) == 1:
-        s = np.asarray(per, dtype=np.float64)
-        return s, np.ones_like(s), True
-    s = np.asarray([[r["task_metrics"][metric]] for r in rs], dtype=np.float64)
-    return s, np.ones_like(s), False
+def _per_problem(rs: list[dict[str, Any]], metric: str) -> bool:
+    """Every unit of ``rs`` has per-problem scores of ``metric``, and all the same number of them."""
+    per = [(r.get("task_scores") or {}).get(metric) for r in rs]
+    return all(per) and len({len(p) for p in per}) == 1
+
+
+def _scores(rs: list[dict[str, Any]], metric: str, per_problem: bool) -> np.ndarray:
+    """(seeds, problems) scores, or (seeds, 1) of the units' metric when not ``per_problem``."""
+    if per_problem:
+        return np.asarray([r["task_scores"][metric] for r in rs], dtype=np.float64)
+    return np.asarray([[r["task_metrics"][metric]] for r in rs], dtype=np.float64)
 
 
 def _measured(rs: list[dict[str, Any]], metric: str) -> bool:
@@ -107,16 +110,11 @@ def _measured(rs: list[dict[str, Any]], metric: str) -> bool:
 def _delta(rs: list[dict[str, Any]], ref: list[dict[str, Any]], metric: str) -> tuple[Delta, bool] | None:
     if not _measured(rs, metric) or not _measured(ref, metric):
         return None
-    a, b = _arrays(rs, metric), _arrays(ref, metric)
-    if a[2] and b[2] and a[0].shape[1] != b[0].shape[1]:
-        a, b = _arrays([{**r, "task_scores": {}} for r in rs], metric), _arrays([{**r, "task_scores": {}}
-                                                                                  for r in ref], metric)
-    if a[2] != b[2]:  # one side without per-problem scores: both by seed only
-        a, b = _arrays([{**r, "task_scores": {}} for r in rs], metric), _arrays([{**r, "task_scores": {}}
-                                                                                  for r in ref], metric)
-    d = bootstrap_delta(a[0], a[1], b[0], b[1], seeds_a=[r["seed"] for r in rs], seeds_b=[r["seed"] for r in ref],
-                        n_boot=N_BOOT, seed=0)
-    return d, a[2]
+    per = _per_problem(rs + ref, metric)  # both sides on the same problems, else both by seed only
+    a, b = _scores(rs, metric, per), _scores(ref, metric, per)
+    d = bootstrap_delta(a, np.ones_like(a), b, np.ones_like(b), seeds_a=[r["seed"] for r in rs],
+                        seeds_b=[r["seed"] for r in ref], n_boot=N_BOOT, seed=0)
+    return d, per
 
 
 def metric_rows(records: list[dict[str, Any]], methods: list[str], metric: str) -> dict[str, dict[str, Any]]:
@@ -127,8 +125,9 @@ def metric_rows(records: list[dict[str, Any]], methods: list[str], metric: str) 
     for m, rs in by_method.items():
         if not _measured(rs, metric):
             continue
-        scores, weights, per_problem = _arrays(rs, metric)
-        mean, low, high = bootstrap_loss(scores, weights, n_boot=N_BOOT)
+        per_problem = _per_problem(rs, metric)
+        scores = _scores(rs, metric, per_problem)
+        mean, low, high = bootstrap_loss(scores, np.ones_like(scores), n_boot=N_BOOT)
         values = [r["task_metrics"][metric] for r in rs]
         row: dict[str, Any] = {"mean": mean, "ci95": [low, high], "seeds": len(rs),
                                "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
