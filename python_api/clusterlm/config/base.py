@@ -22,10 +22,27 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from clusterlm.config.files import from_dict, read_config_file, to_dict, write_config
+from clusterlm.config.readers import non_negative_int_arg, positive_int_arg
 
-__all__ = ["Config"]
+__all__ = ["Config", "meta"]
 
 C = TypeVar("C", bound="Config")
+
+
+def meta(group: str, *, low: int | None = None, bounds: tuple | None = None, per_run: bool = False,
+         **cli: Any) -> dict[str, Any]:
+    """A field's metadata: its ``--help`` section, the least value of an int (read by its option's reader and by
+    the config's ``check()``), the range of a float, whether it names one run rather than how to train
+    (``per_run``: compare sets it per unit), and argparse details (``aliases``, ``nargs``, ``const``,
+    ``metavar``, ``parse``)."""
+    out: dict[str, Any] = {"group": group, **cli}
+    if low is not None:
+        out.update(low=low, parse=positive_int_arg if low == 1 else non_negative_int_arg)
+    if bounds is not None:
+        out["bounds"] = bounds
+    if per_run:
+        out["per_run"] = True
+    return out
 
 
 class Config:

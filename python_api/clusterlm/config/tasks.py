@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from clusterlm.config.base import Config
-from clusterlm.config.readers import comma_items, positive_int_arg
+from clusterlm.config.base import Config, meta
+from clusterlm.config.readers import comma_items
 
 __all__ = ["BUILTIN_CODE_TASKS", "AppendTuple", "TaskConfig", "TaskSpec", "code_tasks", "parse_task",
            "pass_k_arg", "stop_arg", "task_arg"]
@@ -148,10 +148,6 @@ def code_tasks(specs: Sequence[TaskSpec]) -> list[TaskSpec]:
     return [s for s in specs if s.kind == "code"]
 
 
-def _meta(**extra: Any) -> dict[str, Any]:
-    return {"group": GROUP, **extra}
-
-
 @dataclass(frozen=True)
 class TaskConfig(Config):
     """Task metrics: code benchmarks scored by pass@k and lm-evaluation-harness tasks, evaluated on the model in
@@ -174,19 +170,19 @@ class TaskConfig(Config):
         initial_task_eval: also evaluate the tasks before the first training step.
     """
 
-    eval_task: tuple[str, ...] = field(default=(), metadata=_meta(parse=task_arg, action=AppendTuple,
+    eval_task: tuple[str, ...] = field(default=(), metadata=meta(GROUP, parse=task_arg, action=AppendTuple,
                                                                     metavar="NAME=PATH|NAME"))
-    allow_code_execution: bool = field(default=False, metadata=_meta())
-    task_samples: int = field(default=1, metadata=_meta(parse=positive_int_arg, low=1))
-    task_temperature: float = field(default=0.0, metadata=_meta())
-    task_max_new_tokens: int = field(default=256, metadata=_meta(parse=positive_int_arg, low=1))
-    task_stop: tuple[str, ...] = field(default=(), metadata=_meta(parse=stop_arg, action=AppendTuple,
+    allow_code_execution: bool = field(default=False, metadata=meta(GROUP))
+    task_samples: int = field(default=1, metadata=meta(GROUP, low=1))
+    task_temperature: float = field(default=0.0, metadata=meta(GROUP))
+    task_max_new_tokens: int = field(default=256, metadata=meta(GROUP, low=1))
+    task_stop: tuple[str, ...] = field(default=(), metadata=meta(GROUP, parse=stop_arg, action=AppendTuple,
                                                                   metavar="TEXT"))
-    task_pass_k: tuple[int, ...] = field(default=(1,), metadata=_meta(parse=pass_k_arg, metavar="K[,K...]"))
-    task_limit: int | None = field(default=None, metadata=_meta(parse=positive_int_arg, low=1))
-    task_batch_size: int = field(default=8, metadata=_meta(parse=positive_int_arg, low=1))
-    task_timeout: float = field(default=10.0, metadata=_meta())
-    initial_task_eval: bool = field(default=False, metadata=_meta())
+    task_pass_k: tuple[int, ...] = field(default=(1,), metadata=meta(GROUP, parse=pass_k_arg, metavar="K[,K...]"))
+    task_limit: int | None = field(default=None, metadata=meta(GROUP, low=1))
+    task_batch_size: int = field(default=8, metadata=meta(GROUP, low=1))
+    task_timeout: float = field(default=10.0, metadata=meta(GROUP))
+    initial_task_eval: bool = field(default=False, metadata=meta(GROUP))
 
     COMMAND: ClassVar[str] = "train"
     OWNER: ClassVar[str] = "tasks"

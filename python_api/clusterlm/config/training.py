@@ -12,12 +12,12 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from clusterlm.config.base import Config
+from clusterlm.config.base import Config, meta
 from clusterlm.config.defaults import LATEST
 from clusterlm.config.files import field_help
-from clusterlm.config.readers import non_negative_int_arg, positive_int_arg, string_list_arg
+from clusterlm.config.readers import string_list_arg
 from clusterlm.config.tasks import TaskConfig
 
 __all__ = ["LATEST", "REPORT_INSTALL", "REPORT_TO", "TRAIN_CONFIG", "TrainConfig", "WEIGHT_DTYPE_RESOLUTION"]
@@ -39,22 +39,6 @@ POSITIVE = (0.0, math.inf, False, False)
 NON_NEGATIVE = (0.0, math.inf, True, False)
 FRACTION = (0.0, 1.0, True, False)
 CLOSED_FRACTION = (0.0, 1.0, True, True)
-
-
-def meta(group: str, *, low: int | None = None, bounds: tuple | None = None, per_run: bool = False,
-         **cli: Any) -> dict[str, Any]:
-    """A field's metadata: its ``--help`` section, the least value of an int (read by its option's reader and by
-    :meth:`TrainConfig.check`), the range of a float, whether it names one run rather than how to train
-    (``per_run``: compare sets it per unit), and argparse details (``aliases``, ``nargs``, ``const``,
-    ``metavar``, ``parse``)."""
-    out: dict[str, Any] = {"group": group, **cli}
-    if low is not None:
-        out.update(low=low, parse=positive_int_arg if low == 1 else non_negative_int_arg)
-    if bounds is not None:
-        out["bounds"] = bounds
-    if per_run:
-        out["per_run"] = True
-    return out
 
 
 @dataclass(frozen=True)
