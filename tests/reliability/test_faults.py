@@ -1,49 +1,38 @@
-"""Faults of a multi-process run on 2 gloo ranks with the tiny model (issue 37): preemption (SIGTERM, then --resume),
-a killed rank with --max-restarts, a stopped rank with --dist-timeout, the first failure named, select killed and
-restarted, and no litter after a failed start.
+"""Faults of a multi-process run on 2 gloo ranks with the tiny model (issue 37): a killed rank with --max-restarts, a
+stopped rank with --dist-timeout, the first failure named, select killed and restarted, and no litter after a failed
+start. Preemption (a signal, then --resume) is tests/reliability/test_signals.py.
 
-One uninterrupted 2-rank run (module fixture) is the reference the interrupted ones must equal.
+The uninterrupted runs the interrupted ones must equal are the session's (tests/reliability/conftest.py:
+``train_reference``, ``select_reference``), shared with test_signals.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import assert_same_plan
+from cli_helpers import (
+    REFERENCE_SAVE_EVERY,
+    assert_same_plan,
+    checkpoint_weights,
+    clusterlm_command,
+    reference_train,
+    train_losses,
+)
 
 from clusterlm.cli import commands as cli
 from clusterlm.launch.environment import process_stopped
 from clusterlm.launch.failures import first_failure
-from clusterlm.launch.preemption import PREEMPTED, PREEMPTED_EXIT
 from clusterlm.launch.ranks import rank_pids
 from clusterlm.selection.pipeline import STORE_KEY
 
-STEPS, SAVE_EVERY = 24, 4  # faults at steps 3 to 6: 18 steps after them, 6 checkpoints
 pytestmark = pytest.mark.slow
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "clusterlm", *args]
-
-
-def _argv(tiny, out: Path, *extra: str) -> list[str]:
-    return _cli("train", *tiny.argv(out, "--nproc", "2", "--max-steps", str(STEPS), "--micro-batch-size", "1",
-                                    "--lr", "3e-3", "--save-every", str(SAVE_EVERY), "--log-every", "1",
-                                    "--keep-checkpoints", "20", *extra))
-
-
-def _losses(out: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
 
 def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -51,7 +40,7 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the run ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
         try:
-            if max(_losses(out), default=0) >= step:
+            if max(train_losses(out), default=0) >= step:
                 return
         except (OSError, ValueError, KeyError):
             pass
@@ -66,46 +55,12 @@ def _rank_pid(launcher: int, rank: int) -> int:
     return pids[rank]
 
 
-def _final_weights(out: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(out / "ckpt" / f"step_{STEPS:07d}.pt", map_location="cpu", weights_only=False)
-    return ckpt["model"]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny):
-    out = tiny.root / "faults_reference"
-    proc = subprocess.run(_argv(tiny, out), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]  # the run's own error line, not only its exit status
-    return SimpleNamespace(out=out, losses=_losses(out))
-
-
-def test_sigterm_checkpoints_the_step_and_resume_equals_an_uninterrupted_run(tiny, reference, tmp_path):
-    out = tmp_path / "preempted"
-    proc = subprocess.Popen(_argv(tiny, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(out, 6, proc)
-    proc.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
-    stopped = json.loads((out / PREEMPTED).read_text(encoding="utf-8"))
-    lines = [line for line in err.splitlines() if "preempted" in line]
-    assert len(lines) == 1 and "resume with: clusterlm train --config" in lines[0] and "--resume" in lines[0], err
-    assert Path(stopped["checkpoint"]).is_file() and stopped["step"] < STEPS and time.monotonic() - t0 < 60
-    assert not list(out.rglob("*.tmp*"))  # atomic writes: no partial file
-    resumed = subprocess.run(_cli("train", "--config", str(out / "train_config.yaml"), "--resume"),
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    losses = _losses(out)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses == reference.losses  # the same step losses, before the stop and after the resume
-
-
-def test_a_killed_rank_restarts_from_the_checkpoint_with_the_same_final_weights(tiny, reference, tmp_path):
+def test_a_killed_rank_restarts_from_the_checkpoint_with_the_same_final_weights(tiny, train_reference, tmp_path):
     out = tmp_path / "restarted"
-    proc = subprocess.Popen(_argv(tiny, out, "--max-restarts", "1", "--dist-timeout", "60", "--preemption-grace", "10"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    _wait_for_step(out, SAVE_EVERY + 2, proc)
+    proc = subprocess.Popen(reference_train(tiny, out, "--max-restarts", "1", "--dist-timeout", "60",
+                                            "--preemption-grace", "10"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(out, REFERENCE_SAVE_EVERY + 2, proc)
     victim = _rank_pid(proc.pid, 1)
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
@@ -114,14 +69,14 @@ def test_a_killed_rank_restarts_from_the_checkpoint_with_the_same_final_weights(
     assert len(restart) == 1, err[-3000:]
     assert f"rank 1 (pid {victim}) was killed by signal 9 (SIGKILL) first" in restart[0], restart[0]
     assert "(restart 1 of 1)" in restart[0]
-    mine, ref = _final_weights(out), _final_weights(reference.out)
+    mine, ref = checkpoint_weights(out), checkpoint_weights(train_reference.out)
     assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
-    assert _losses(out) == reference.losses
+    assert train_losses(out) == train_reference.losses
 
 
 def test_a_stopped_rank_fails_the_run_in_bounded_time_naming_it(tiny, tmp_path):
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(_argv(tiny, out, "--dist-timeout", "20"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(reference_train(tiny, out, "--dist-timeout", "10"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     _wait_for_step(out, 3, proc)
     victim = _rank_pid(proc.pid, 1)
@@ -135,9 +90,9 @@ def test_a_stopped_rank_fails_the_run_in_bounded_time_naming_it(tiny, tmp_path):
         except OSError:
             pass
     took = time.monotonic() - t0
-    assert proc.returncode != 0 and took < 40, (proc.returncode, took, err[-2000:])
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took, err[-2000:])
     line = [s for s in err.splitlines() if "error" in s][-1]
-    assert "rank 0 waited 20 s in" in line and "rank 1 (pid" in line and "stopped or hung" in line, err[-2000:]
+    assert "rank 0 waited 10 s in" in line and "rank 1 (pid" in line and "stopped or hung" in line, err[-2000:]
 
 
 class _Failure(SimpleNamespace):
@@ -170,14 +125,10 @@ def test_the_first_failure_is_the_killed_rank_not_the_survivor_the_launcher_stop
     assert first_failure(reported)[0].startswith("clusterlm train: error (rank 0 of 2): Connection closed")
 
 
-def test_select_killed_and_restarted_gives_the_same_plan(tiny, tmp_path):
-    base = ["select", "--model", "tiny-llama", "--data", str(tiny.data), "--world-size", "2", "--ratio", "0.5",
-            "--no-progress", "--batch-tokens", "64"]
-    # the uninterrupted reference in this process (2 selection processes write the 1-process plan:
-    # tests/clusterlm/test_select_distributed.py)
-    assert cli.main([*base, "--out", str(tmp_path / "ref")]) == 0
+def test_select_killed_and_restarted_gives_the_same_plan(select_reference, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(*base, "--nproc", "2", "--out", str(out), "--max-restarts", "1"),
+    proc = subprocess.Popen(clusterlm_command(*select_reference.argv, "--nproc", "2", "--out", str(out),
+                                              "--max-restarts", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     # the feature store is set up (its key file written): the ranks featurize now; kill one mid-way (on the tiny data
@@ -189,7 +140,7 @@ def test_select_killed_and_restarted_gives_the_same_plan(tiny, tmp_path):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "restarting every rank" in err, err[-3000:]
-    assert_same_plan(tmp_path / "ref", out)
+    assert_same_plan(select_reference.out, out)
 
 
 def test_a_failed_start_leaves_no_out_directory(tiny, tmp_path, capsys):

@@ -54,10 +54,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from clusterlm.config.files import checksum
 from clusterlm.launch import ranks as rank_start
@@ -77,6 +76,9 @@ from clusterlm.launch.preemption import (
     preemption_signals_blocked,
     unblock_preemption_signals,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "AGENT_PID_ENV", "CONFIG_SHA_ENV", "LAUNCHER_PID_ENV", "PACKAGE_ENTRY", "TORCHRUN_ENV", "DistInfo", "SpawnFailed",
@@ -437,6 +439,14 @@ def _shutdown_timeout(argv: Sequence[str]) -> float:
     return float(TORCH_SHUTDOWN_TIMEOUT_S)
 
 
+def _torch() -> Any:
+    """torch, imported on first use: the agent process imports this module and starts its fork server (which
+    preloads torch and the model code) before it imports torch itself, so the two imports overlap."""
+    import torch
+
+    return torch
+
+
 # ---------------------------------------------------------------------------------------------------
 # Joining
 # ---------------------------------------------------------------------------------------------------
@@ -456,7 +466,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str | None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = field(default_factory=lambda: _torch().device("cpu"))
 
     @property
     def distributed(self) -> bool:
@@ -471,10 +481,12 @@ class DistInfo:
 
 def in_process_group() -> bool:
     """True once a torch.distributed process group is initialised in this process."""
+    torch = _torch()
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _use_cuda(device: str) -> bool:
+    torch = _torch()
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"init_distributed: device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
     if device == "cuda" and not torch.cuda.is_available():
@@ -503,6 +515,7 @@ def init_distributed(backend: str | None = None, *, device: str = "auto", timeou
         ValueError: ``WORLD_SIZE > 1`` but ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` is missing (launch
             with torchrun); nccl or ``device="cuda"`` without CUDA.
     """
+    torch = _torch()
     dist = torch.distributed
     exit_with_supervisor()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -538,6 +551,7 @@ def init_distributed(backend: str | None = None, *, device: str = "auto", timeou
 def _attempt_store(world: int) -> Any:
     """The rendezvous store of this restart attempt: torchrun's store (its agent's, or rank 0's) under a prefix
     of its own (``clusterlm/attempt_<n>``)."""
+    torch = _torch()
     dist = torch.distributed
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -547,17 +561,20 @@ def _attempt_store(world: int) -> Any:
 
 def is_main() -> bool:
     """True on rank 0, or when no process group is initialised (write plans, logs and reports only here)."""
+    torch = _torch()
     return not in_process_group() or torch.distributed.get_rank() == 0
 
 
 def barrier() -> None:
     """Wait for every rank (nothing to wait for without a process group)."""
+    torch = _torch()
     if in_process_group():
         torch.distributed.barrier()
 
 
 def all_gather_floats(values: Sequence[float], di: DistInfo) -> np.ndarray:
     """(world_size, len(values)) float64: every rank's values (this rank's alone without a group)."""
+    torch = _torch()
     local = torch.tensor(list(values), dtype=torch.float64, device=di.device)
     if not di.distributed:
         return local.cpu().numpy()[None]
@@ -568,6 +585,7 @@ def all_gather_floats(values: Sequence[float], di: DistInfo) -> np.ndarray:
 
 def all_gather_objects(obj: Any, di: DistInfo) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order."""
+    torch = _torch()
     if not di.distributed:
         return [obj]
     out: list[Any] = [None] * di.world_size

@@ -33,12 +33,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from clusterlm.fileio import atomic_write_text
 from clusterlm.launch.environment import LAUNCHER_PID_ENV, env_pid, under_torchrun
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_GRACE_S", "DUPLICATE_WINDOW_S", "PREEMPTED", "PREEMPTED_EXIT", "PREEMPTION_SIGNALS",
            "SHUTDOWN_MARGIN_S", "Interrupted", "Preempted", "PreemptionWatch", "TrainPreempted", "interrupt",
@@ -179,6 +180,8 @@ class PreemptionWatch:
 
     def agreed(self, device: torch.device, distributed: bool) -> bool:
         """True when any rank got a preemption signal (one all-reduce of one number when ``distributed``)."""
+        import torch  # here: the agent and the launching process import this module without torch
+
         flag = torch.tensor([0 if self.signal is None else int(self.signal)], dtype=torch.int32, device=device)
         if distributed:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
