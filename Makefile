@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
-.PHONY: demo test docs install real-model bench bench-compare bench-real lint clean sanitize
+.PHONY: demo test docs install real-model bench bench-compare bench-real bench-quality lint clean sanitize
 
 # Bytecode is written as modules are first imported (pip itself writes none: --no-compile), so only what runs is
 # compiled (about a fifth of the installed packages' files), once: where PYTHONDONTWRITEBYTECODE=1 is set (as on the
@@ -85,6 +85,13 @@ bench: install
 # The end-to-end selection benchmark (all methods through the trainer, 3 seeds): over an hour on 2 cores.
 bench-compare: install
 	$(PY) benchmarks/bench_compare.py
+	$(PY) benchmarks/render_benchmarks.py
+
+# Which within-cluster pick becomes the default (issue 49): every pick against random, longest and IFD at equal
+# tokens, 5 seeds on the demo model (about 2.3 h on 2 cores), then the best picks on SmolLM2-135M-Instruct (about
+# 1 h); resumable: a rerun continues with the units not done.
+bench-quality: real-model
+	$(PY) benchmarks/bench_quality.py
 	$(PY) benchmarks/render_benchmarks.py
 
 # The compare benchmark on the real model (SmolLM2-135M-Instruct): about 90 minutes on 2 cores, then the

@@ -230,6 +230,6 @@ setup(
             "k-means-constrained>=0.9",
         ],
     },
-    entry_points={"console_scripts": ["clusterlm=clusterlm.cli.commands:main"]},
+    entry_points={"console_scripts": ["clusterlm=clusterlm.cli.commands:console_main"]},
     zip_safe=False,
 )

@@ -52,16 +52,20 @@ if os.environ.get("CI"):
 # a long module alone at the end (measured with --durations; the order changes no result, only the wall time).
 LONGEST_MODULES = (
     "tests/test_docs.py",
-    "tests/reliability/test_faults.py",
+    "tests/reliability/test_signals.py",
+    "tests/reliability/test_faults.py",  # after test_signals: the reference run they share is made once, not waited on
     "tests/clusterlm/test_fsdp.py",
     "tests/clusterlm/test_train.py",
-    "tests/cluster_kernels/test_aot_compile.py",
-    "tests/reliability/test_processes.py",
-    "tests/clusterlm/test_api.py",
-    "tests/clusterlm/test_compare.py",
     "tests/cluster_kernels/test_kmeans.py",
     "tests/clusterlm/test_launch_parity.py",
+    "tests/clusterlm/test_compare.py",
+    "tests/reliability/test_processes.py",
+    "tests/clusterlm/test_real_model.py",
+    "tests/cluster_kernels/test_distributed.py",
     "tests/reliability/test_disk_full.py",
+    "tests/clusterlm/test_api.py",
+    "tests/clusterlm/test_fsdp_integrations.py",
+    "tests/clusterlm/test_demo.py",
 )
 
 

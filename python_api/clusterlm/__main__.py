@@ -1,5 +1,6 @@
-import sys
+"""``python -m clusterlm``: the ``clusterlm`` command (:func:`clusterlm.cli.commands.main`)."""
 
 from clusterlm.cli.commands import main
+from clusterlm.launch.exiting import run_and_exit
 
-sys.exit(main())
+run_and_exit(main)

@@ -9,5 +9,6 @@ import sys
 
 if __name__ == "__main__":
     from clusterlm.cli.commands import main
+    from clusterlm.launch.exiting import run_and_exit
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    run_and_exit(lambda: main(["train", *sys.argv[1:]]))

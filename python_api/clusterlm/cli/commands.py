@@ -31,6 +31,7 @@ from clusterlm.config.tasks import TaskConfig
 from clusterlm.config.training import TrainConfig
 from clusterlm.fileio import LockedError, StorageError
 from clusterlm.integrations.export import export_files
+from clusterlm.launch.exiting import run_and_exit
 from clusterlm.launch.failures import report_failure, reported_by_launcher, tee_stderr
 from clusterlm.launch.launcher import SpawnFailed, check_config_file, under_torchrun
 from clusterlm.launch.preemption import PREEMPTED_EXIT, Preempted
@@ -257,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     return _run(command, lambda: args.func(args), debug)
 
 
+def console_main() -> NoReturn:
+    """The ``clusterlm`` console script: :func:`main` on ``sys.argv``, then the process ends with its status without
+    the interpreter's teardown (:func:`clusterlm.launch.exiting.run_and_exit`)."""
+    run_and_exit(main)
+
+
 def _config_file(argv: list[str]) -> str | None:
     for i, a in enumerate(argv):
         if a == "--config" and i + 1 < len(argv):
@@ -291,4 +298,4 @@ def _run(command: str, call: Callable[[], int], debug: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

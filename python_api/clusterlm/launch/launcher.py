@@ -99,7 +99,8 @@ TORCH_SHUTDOWN_TIMEOUT_S = 30  # torchrun's --shutdown-timeout when none is give
 WATCH_INTERVAL = 0.2
 # The agent: torch's launcher in this process (see run_agent); its arguments are torchrun's. It needs this module and
 # torch's launcher only; importing the package costs nothing more (clusterlm/__init__.py loads its public names lazily).
-_AGENT_CODE = "import sys; from clusterlm.launch.launcher import run_agent; sys.exit(run_agent(sys.argv[1:]))"
+_AGENT_CODE = ("import sys; from clusterlm.launch.exiting import run_and_exit; "
+               "from clusterlm.launch.launcher import run_agent; run_and_exit(lambda: run_agent(sys.argv[1:]))")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -395,8 +396,9 @@ def run_agent(argv: Sequence[str]) -> int:
         return _launch(argv)
     finally:
         watch.close()
-        if rank_start.agent_preempted():  # a fork server still preloading would hold the run's output open
-            rank_start.stop_fork_server()
+        # Its ranks have ended: the fork server would otherwise tear down its interpreter (torch, transformers: about
+        # a second of a core, holding the run's output open) after this process is gone, or go on preloading.
+        rank_start.stop_fork_server()
 
 
 def _launch(argv: Sequence[str]) -> int:

@@ -84,8 +84,9 @@ def start_fork_server() -> None:
 
 
 def stop_fork_server() -> None:
-    """SIGKILL this process's fork server, when it runs (a preempted agent's: still preloading, it would keep the
-    run's output streams open for seconds after the run ended)."""
+    """SIGKILL this process's fork server, when it runs: the agent's, once its ranks have ended (still preloading
+    after a preemption, or idle, it would keep the run's output streams open for a second or more after the run
+    ended)."""
     from multiprocessing import forkserver
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
