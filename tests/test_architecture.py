@@ -352,7 +352,7 @@ def test_the_parameter_rule_sees_a_wide_function(tmp_path, monkeypatch):
 # call into a library module) and the error map (main, _config_file, _run, _fail, _user_message, error).
 CLI_FUNCTION_FORMS = ("_arg", "add_", "build_", "_parser", "_config", "_job", "cmd_", "_args")
 CLI_OPTION_MAPPING = {"_split"}
-CLI_ERROR_MAP = {"main", "_config_file", "_run", "_fail", "_user_message", "error"}
+CLI_ERROR_MAP = {"main", "console_main", "_config_file", "_run", "_fail", "_user_message", "error"}
 MAX_CMD_LINES = 25
 
 

@@ -442,8 +442,7 @@ def _shutdown_timeout(argv: Sequence[str]) -> float:
 
 
 def _torch() -> Any:
-    """torch, imported on first use: the agent process imports this module and starts its fork server (which
-    preloads torch and the model code) before it imports torch itself, so the two imports overlap."""
+    """torch, imported on first use: the agent starts its fork server (which preloads torch) before it imports torch."""
     import torch
 
     return torch
