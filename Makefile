@@ -28,7 +28,17 @@ $(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
 	$(PIP) install -q --no-compile --no-build-isolation --no-deps -e . & build=$$!; \
 	$(PIP) install -q --no-compile "$(TORCH)" "numpy>=1.24" -r $(VENV)/meta/requirements-test.txt; deps=$$?; \
 	wait $$build && exit $$deps
+	$(PY) -c "$$WARM_IMPORTS"
 	touch $@
+
+# The bytecode of what every command and rank imports (the package, torch's launcher, transformers' model code,
+# pyplot), written once here: otherwise the first processes of a run each compile it again, racing to write it.
+define WARM_IMPORTS
+import clusterlm.cli.commands, clusterlm.launch.ranks, clusterlm.training.loop, clusterlm.models
+import matplotlib.pyplot, torch.distributed.run, transformers.modeling_utils
+import transformers.models.llama.modeling_llama
+endef
+export WARM_IMPORTS
 
 # setup.py's requirements and its `test` extra, one per line, from the metadata egg_info wrote (requires.txt).
 define TEST_REQUIREMENTS
