@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_description  # noqa: E402
+from bench_compare import print_targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "quality.json"
@@ -420,16 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         info["real"] = real_paths[3]
         run_compare(args, work / "real", real_paths[:3], methods, args.real_seeds, real=True)
     out = write_result(args, argv, info, demo, finished(work / "real"), alone, t_start)
-    for t in out["targets"]:
-        print(f"[{'met' if t['met'] else 'NOT met'}] {t['goal']}: {t['measured']}")
     for section in out["sections"][1:]:
         print(f"\n{section['heading']}")
         for row in section["rows"]:
             print("  " + " | ".join(str(c) for c in row))
         for note in section["notes"]:
             print(f"  - {note}")
-    print(f"written {args.out}")
-    return 0
+    return print_targets(out, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ PRELOAD = ("torch", "transformers.modeling_utils", "clusterlm", "clusterlm.cli.c
            "matplotlib.pyplot")
 
 RUNNER = r'''
-import importlib, json, os, sys
+import importlib, json, os, runpy, sys
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 print("ready", flush=True)
@@ -191,7 +191,7 @@ for line in sys.stdin:
         sys.argv = [request["driver"], request["spec"]]
         code = 0
         try:
-            exec(compile(open(request["driver"]).read(), request["driver"], "exec"), {"__name__": "__main__"})
+            runpy.run_path(request["driver"], run_name="__main__")
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:
