@@ -38,6 +38,8 @@ try:
 finally:
     sys.path[:] = _saved_path
 
+import prebuild  # noqa: E402 - tests/prebuild.py, next to this file
+
 # CI explores a fixed set of hypothesis examples (reproducible runs); local runs stay random so they
 # keep finding new cases.
 from hypothesis import settings  # noqa: E402
@@ -67,6 +69,22 @@ LONGEST_MODULES = (
     "tests/clusterlm/test_fsdp_integrations.py",
     "tests/clusterlm/test_demo.py",
 )
+# ... and the modules whose compiles run in the background from the session's start (tests/prebuild.py) go last,
+# so that the background job has the whole session's idle cores before they wait for it.
+LAST_MODULES = prebuild.MODULES
+
+
+def pytest_configure(config):
+    """Start the background compiles (tests/prebuild.py) in the controlling process, when the session selects a
+    module that needs them; the xdist workers inherit where to wait for them."""
+    if hasattr(config, "workerinput") or os.environ.get(prebuild.LOCK_ENV):
+        return
+    if prebuild.selected(list(config.args), Path(str(config.rootpath))):
+        config._prebuild = prebuild.start()
+
+
+def pytest_unconfigure(config):
+    prebuild.stop(getattr(config, "_prebuild", None))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,6 +92,8 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item) -> int:
         rel = Path(str(item.path)).relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if rel in LAST_MODULES:
+            return len(LONGEST_MODULES) + 1 + LAST_MODULES.index(rel)
         return LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
 
     items[:] = sorted(items, key=rank)  # stable: the order within a module and among the others stays

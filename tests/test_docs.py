@@ -173,7 +173,7 @@ def _env(home: Path) -> dict[str, str]:
 # Imports a doc file's blocks make, done once in the runner before it forks a child per file (nothing else runs
 # there before a fork: no thread pool, no CUDA, as in clusterlm's own fork server)
 PRELOAD = ("torch", "transformers.modeling_utils", "clusterlm", "clusterlm.cli.commands", "clusterlm.models",
-           "matplotlib.pyplot")
+           "clusterlm.training.loop", "clusterlm.selection.pipeline", "clusterlm.comparison.run", "matplotlib.pyplot")
 
 RUNNER = r'''
 import importlib, json, os, runpy, sys

@@ -10,7 +10,9 @@ files instantiate are reported, not held to it).
 
 The compiles run in worker processes (``benchmarks/ptxas_report.py``; ``CLUSTER_KERNELS_AOT_WORKERS``, default 2)
 and their reports are cached in ``~/.cache/cluster_kernels/aot`` under a key of the kernel source, signature,
-options, target and compiler versions: an unchanged kernel is not compiled again. ``python
+options, target and compiler versions: an unchanged kernel is not compiled again. In a session the same compiles
+start in the background at its beginning (tests/prebuild.py, at the lowest priority) and this module runs last and
+waits for them, so on a fresh machine they take the cores the other tests leave idle. ``python
 benchmarks/ptxas_report.py`` compiles the full set (every key, float16 too) into BENCHMARKS.md's table.
 """
 
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prebuild import wait_for_prebuild
 
 from cluster_kernels._cuda_build import find_nvcc, parse_nvcc_ptxas
 
@@ -39,6 +42,7 @@ needs_triton_nvidia = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def triton_rows() -> list[dict]:
+    wait_for_prebuild()  # the session's background compiles (tests/prebuild.py) fill the cache this reads
     jobs = ptxas_report.triton_jobs("gate", TARGETS)
     workers = int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2"))
     return ptxas_report.run_jobs(jobs, workers)
@@ -50,6 +54,7 @@ def cuda_compiles() -> dict[str, dict]:
     the build left in the compile cache (setup.py compiles for these architectures by default), or compiled here."""
     if find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
+    wait_for_prebuild()
     records = ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS,
                                          int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
     return {rec["file"]: rec for rec in records}

@@ -19,6 +19,7 @@ from cli_helpers import nonblank_lines
 from clusterlm.cli import commands as cli
 from clusterlm.models import load_model
 from clusterlm.plan import Plan
+from clusterlm.selection import pipeline
 
 RECORDS = [{"prompt": f"def add_{i}(x):", "response": f"    return x + {i}\n"} for i in range(16)]
 
@@ -82,7 +83,7 @@ RAISED = {
 def test_user_errors_become_one_line(case: str, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture) -> None:
     exc, status, needles = RAISED[case]
-    monkeypatch.setattr(cli, "run_select", _raiser(exc))
+    monkeypatch.setattr(pipeline, "run_select", _raiser(exc))
     rc = _run(_select(data, tmp_path / "out"))
     assert rc == status
     _one_line(rc, capsys.readouterr().err, "select", *needles)
@@ -90,7 +91,7 @@ def test_user_errors_become_one_line(case: str, data: Path, tmp_path: Path, monk
 
 def test_debug_shows_the_traceback(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli, "run_select", _raiser(ValueError("select: something is off")))
+    monkeypatch.setattr(pipeline, "run_select", _raiser(ValueError("select: something is off")))
     for argv in (["--debug", *_select(data, tmp_path)], [*_select(data, tmp_path), "--debug"]):
         assert _run(argv) == 2
         err = capsys.readouterr().err
@@ -99,14 +100,14 @@ def test_debug_shows_the_traceback(data: Path, tmp_path: Path, monkeypatch: pyte
 
 def test_ctrl_c_exits_130_without_a_traceback(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli, "run_select", _raiser(KeyboardInterrupt()))
+    monkeypatch.setattr(pipeline, "run_select", _raiser(KeyboardInterrupt()))
     assert _run(_select(data, tmp_path)) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and nonblank_lines(err) == ["clusterlm select: interrupted"]
 
 
 def test_a_crash_keeps_its_traceback(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "run_select", _raiser(RuntimeError("a bug")))
+    monkeypatch.setattr(pipeline, "run_select", _raiser(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(_select(data, tmp_path))
 

@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from clusterlm.cli.options import ConfigArgumentParser, parse_config
-from clusterlm.comparison.output import markdown_table
-from clusterlm.comparison.run import compare
 from clusterlm.config.comparison import TRAIN_PER_UNIT, CompareConfig, compare_train_defaults
 from clusterlm.config.demo import DemoConfig
 from clusterlm.config.export import ExportConfig, ExportJob
@@ -30,15 +28,14 @@ from clusterlm.config.selection import SelectConfig, SelectJob
 from clusterlm.config.tasks import TaskConfig
 from clusterlm.config.training import TrainConfig
 from clusterlm.fileio import LockedError, StorageError
-from clusterlm.integrations.export import export_files
 from clusterlm.launch.exiting import run_and_exit
 from clusterlm.launch.failures import report_failure, reported_by_launcher, tee_stderr
 from clusterlm.launch.launcher import SpawnFailed, check_config_file, under_torchrun
 from clusterlm.launch.preemption import PREEMPTED_EXIT, Preempted
-from clusterlm.plan.report import show_report
-from clusterlm.selection.pipeline import run_select
-from clusterlm.training.demo import run_demo
 from clusterlm.training.run import train
+
+# Each command imports what runs it when it runs: `clusterlm --help`, a refused option and the process that only
+# launches ranks (`clusterlm train --nproc N`) start without torch and transformers (~2 s of a core and more).
 
 COMMANDS = {  # the order of `clusterlm --help`
     "select": "select per-rank training examples and write a plan",
@@ -130,6 +127,8 @@ def export_job(values: dict[str, Any]) -> ExportJob:
 
 
 def cmd_select(values: dict[str, Any], debug: bool) -> int:
+    from clusterlm.selection.pipeline import run_select
+
     run_select(select_job(values, debug))
     return 0
 
@@ -143,6 +142,9 @@ def cmd_train(values: dict[str, Any], debug: bool) -> int:
 
 def cmd_compare(values: dict[str, Any], debug: bool) -> int:
     """``clusterlm compare``: run it, print the table (a failed training run: exit 1, its output is above)."""
+    from clusterlm.comparison.output import markdown_table
+    from clusterlm.comparison.run import compare
+
     config = compare_config(values)
     try:
         result = compare(config)
@@ -159,17 +161,23 @@ def cmd_compare(values: dict[str, Any], debug: bool) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from clusterlm.plan.report import show_report
+
     show_report(args.dir)
     return 0
 
 
 def cmd_demo(values: dict[str, Any], debug: bool) -> int:
+    from clusterlm.training.demo import run_demo
+
     run_demo(DemoConfig(**values))
     return 0
 
 
 def cmd_export(values: dict[str, Any], debug: bool) -> int:
     """``clusterlm export``: write the files, say where and whether the plan's fingerprint was verified."""
+    from clusterlm.integrations.export import export_files
+
     job = export_job(values)
     job.check()
     paths, verified = export_files(job.plan, job.data, job.out, job.config, model=job.model)

@@ -14,14 +14,22 @@ from clusterlm.config.base import Config
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LESS_BATCH_TOKENS", "LESS_DIM", "LESS_TARGETS", "LOSS_BATCH_TOKENS", "MICRO_BATCH_SIZE", "LessConfig",
-           "S2LConfig", "TrainLoopConfig"]
+__all__ = ["BASELINE_SPECS", "LESS_BATCH_TOKENS", "LESS_DIM", "LESS_TARGETS", "LOSS_BATCH_TOKENS", "MICRO_BATCH_SIZE",
+           "LessConfig", "S2LConfig", "TrainLoopConfig", "is_baseline_spec"]
 
 LOSS_BATCH_TOKENS = 8192  # padded tokens per loss forward (example_losses, S2L's trajectories)
 MICRO_BATCH_SIZE = 8  # examples per optimizer step of the baselines' training (train_loop, S2L, LESS)
 LESS_DIM = 1024  # LESS's projected gradient dimension (not the selection's feature size, clusterlm.selection.features)
 LESS_BATCH_TOKENS = 4096  # padded tokens per LESS gradient pass
 LESS_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+
+# The --plan values that name a baseline instead of a plan directory (selection.baselines builds them).
+BASELINE_SPECS = ("full", "random:<ratio>", "random:<count>", "random:tokens=<ratio>", "random:tokens=<count>")
+
+
+def is_baseline_spec(spec: str) -> bool:
+    """True when ``spec`` names a baseline (``full`` or ``random:...``) rather than a plan directory."""
+    return spec == "full" or spec.startswith("random:")
 
 
 @dataclass(frozen=True)

@@ -30,5 +30,6 @@ PAPER_SEED = 42  # their args.seed default; the callback adds the epoch (0 at tr
 PAPER_CAP = 1.5  # cap = ceil(1.5 N / K), applied only when a cluster exceeds 1.5 N / K
 PAPER_N_INIT = 10
 
-# `--resume` without a value: OUT's newest checkpoint (engine.step)
+# `--resume` without a value: OUT's newest checkpoint (engine.step); the checkpoints' folder in OUT
 LATEST = "latest"
+CKPT_DIR = "ckpt"

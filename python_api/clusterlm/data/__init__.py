@@ -55,10 +55,30 @@ data set objects to columns), :mod:`~clusterlm.data.formats` (format detection, 
 ``fingerprint``, ``collate``).
 """
 
-from clusterlm.data.dataset import IGNORE_INDEX, SFTDataset, collate, fingerprint, lengths_of
-from clusterlm.data.formats import CHAT_TEMPLATE_MODES, FORMATS, RawData
-from clusterlm.data.loading import DEFAULT_MAX_LENGTH, load_data, read_data
-from clusterlm.data.sources import FILE_SUFFIXES, read_columns
+import importlib
+from typing import Any
+
+# Each name is imported from its module on first use (PEP 562), as the top-level package does: a process that only
+# checks files or reads a plan (the ``clusterlm train --nproc N`` launcher) does not import torch for them.
+_EXPORTS = {
+    "IGNORE_INDEX": "dataset", "SFTDataset": "dataset", "collate": "dataset", "fingerprint": "dataset",
+    "lengths_of": "dataset", "CHAT_TEMPLATE_MODES": "formats", "FORMATS": "formats", "RawData": "formats",
+    "DEFAULT_MAX_LENGTH": "loading", "load_data": "loading", "read_data": "loading", "FILE_SUFFIXES": "sources",
+    "read_columns": "sources",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"clusterlm.data.{_EXPORTS[name]}"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'clusterlm.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "DEFAULT_MAX_LENGTH",

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from cluster_kernels.lm_head_features import IGNORE_INDEX
-from clusterlm.config.defaults import LATEST
+from clusterlm.config.defaults import CKPT_DIR, LATEST
 from clusterlm.data import collate
 from clusterlm.engine.fsdp import (
     STATE_FILE,
@@ -58,7 +58,6 @@ __all__ = [
     "train_step", "trainable_state",
 ]
 
-CKPT_DIR = "ckpt"
 EVAL_EXAMPLES = "eval_examples.json"  # the latest evaluation's per-example losses (written by the trainer)
 CKPT_VERSION = 1
 

@@ -52,9 +52,11 @@ from clusterlm.launch.preemption import (
 __all__ = ["KILLED_STOPPED", "PRELOAD", "RANK_NAME", "START_METHOD", "adapt_torch_agent", "agent_preempted", "launch",
            "rank_main", "rank_pids", "start_fork_server", "stop_fork_server", "watch_agent_signals"]
 
-# What the fork server imports before it forks a rank: all a rank of train or select imports (the CLI loads the
-# package, torch and transformers; model code pulls torch's compiler stack, ~2 s of it). ImportErrors are skipped.
-PRELOAD = ("clusterlm.launch.ranks", "clusterlm.cli.commands", "transformers.modeling_utils")
+# What the fork server imports before it forks a rank: all a rank of train or select imports (the CLI, the trainer
+# and the selection with torch and transformers; model code pulls torch's compiler stack, ~2 s of it). The CLI module
+# imports its commands lazily, so they are named here. ImportErrors are skipped.
+PRELOAD = ("clusterlm.launch.ranks", "clusterlm.cli.commands", "clusterlm.training.loop",
+           "clusterlm.selection.baselines", "clusterlm.selection.pipeline", "transformers.modeling_utils")
 START_METHOD = "forkserver"
 # A rank's process name: this prefix and its RANK (at most 15 bytes: Linux's limit)
 RANK_NAME = "clusterlm-r"

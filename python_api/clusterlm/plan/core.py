@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.data import fingerprint
 from clusterlm.plan.fileformat import PLAN_VERSION, SIGNAL_ARRAYS, read_plan_files, write_plan_files
 from clusterlm.plan.invariants import PlanInvariants, jsonable
 from clusterlm.plan.summary import PlanSummary
@@ -201,6 +200,8 @@ class Plan(PlanInvariants, PlanSummary):
         Raises:
             ValueError: naming every difference: data set size, content hash, world size.
         """
+        from clusterlm.data import fingerprint  # torch: not imported by a process that only reads plans
+
         data_fp = fingerprint(dataset)
         problems = []
         plan_size, data_size = int(self.fingerprint["size"]), int(data_fp["size"])

@@ -14,18 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from clusterlm.config.defaults import CHAT_TEMPLATE_MODES, CKPT_DIR, DEFAULT_MAX_LENGTH
 from clusterlm.config.training import TrainConfig
-from clusterlm.data import CHAT_TEMPLATE_MODES, DEFAULT_MAX_LENGTH, load_data
-from clusterlm.engine.fsdp import check_blocks, checkpoint_kind, remove_partial_checkpoints
-from clusterlm.engine.step import CKPT_DIR, find_checkpoint
 from clusterlm.fileio import DirLock, LockedError, lock_holder, remove_temporaries
 from clusterlm.launch.launcher import DistInfo, init_distributed, under_torchrun
-from clusterlm.models import BUILTIN_MODELS, GGUF_MODELS
 from clusterlm.plan import Plan
 from clusterlm.plan.fileformat import plan_dir_hint, read_plan_meta
 from clusterlm.training.metrics import METRICS, SUMMARY
+
+# torch, the engine, the models and the data loaders are imported where a check needs them: the process that
+# launches the ranks (`clusterlm train --nproc N`) runs check_inputs and check_unlocked only, and starts sooner
+# without them (torch alone is ~2 s of a core).
 
 __all__ = ["PlanBuilder", "baseline", "check_checkpoint_kind", "check_inputs", "check_out_dir",
            "check_out_location", "check_unlocked", "load_eval_data", "load_plan", "lock_out", "max_length_of",
@@ -66,6 +66,8 @@ def setup_distributed(config: TrainConfig) -> DistInfo:
                 f"train: --nproc {config.nproc} x --nnodes {config.nnodes} = {expected} differs from torchrun's world "
                 f"size {world_size}; drop --nproc under torchrun or make them agree."
             )
+    import torch
+
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train: --device cuda but torch sees no CUDA device; use --device cpu or auto.")
     di = init_distributed(device=config.device, timeout=config.dist_timeout)
@@ -103,11 +105,17 @@ def check_inputs(config: TrainConfig, *, plan_dir: bool) -> None:
         ))
     resume_from = getattr(config, "resume", None)
     if resume_from is not None:
+        from clusterlm.engine.step import find_checkpoint
+
         found = find_checkpoint(config.out, resume_from)  # FileNotFoundError for a --resume PATH that is none
         if found is not None:
             check_checkpoint_kind(found, fsdp=uses_fsdp(config))
-    if uses_fsdp(config) and config.model not in BUILTIN_MODELS and config.model not in GGUF_MODELS:
-        check_blocks(config.model)  # decoder blocks the sharding can find, from the model's config file
+    if uses_fsdp(config):
+        from clusterlm.engine.fsdp import check_blocks
+        from clusterlm.models import BUILTIN_MODELS, GGUF_MODELS
+
+        if config.model not in BUILTIN_MODELS and config.model not in GGUF_MODELS:
+            check_blocks(config.model)  # decoder blocks the sharding can find, from the model's config file
     check_out_location(Path(config.out))
 
 
@@ -122,6 +130,8 @@ def check_checkpoint_kind(path: Path, *, fsdp: bool) -> None:
     Raises:
         ValueError: the mismatch, in one line.
     """
+    from clusterlm.engine.fsdp import checkpoint_kind
+
     kind = checkpoint_kind(path)
     if kind == "ddp" and fsdp:
         raise ValueError(f"train: --resume {path} is a DDP checkpoint (one file) but this run has --fsdp, which "
@@ -178,6 +188,8 @@ def lock_out(out: Path) -> DirLock:
         lock = DirLock(out).acquire()
     except LockedError as e:
         raise _locked(out, e.holder) from None
+    from clusterlm.engine.fsdp import remove_partial_checkpoints
+
     for d in (out, out / CKPT_DIR, out / "plan"):
         remove_temporaries(d)
     remove_partial_checkpoints(out / CKPT_DIR)
@@ -231,6 +243,8 @@ def load_eval_data(config: TrainConfig, tokenizer: Any, max_length: int) -> Any:
     """The tokenised --eval-data (its first --eval-max-examples), None without it."""
     if not config.eval_data:
         return None
+    from clusterlm.data import load_data
+
     eval_data = load_data(config.eval_data, tokenizer, max_length=max_length, progress=False,
                           chat_template=CHAT_TEMPLATE_MODES[config.chat_template])
     if config.eval_max_examples is not None and config.eval_max_examples < len(eval_data):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterlm.engine.step import CKPT_DIR
+from clusterlm.config.defaults import CKPT_DIR
 from clusterlm.fileio import append_text, atomic_write, atomic_write_text
 from clusterlm.launch.launcher import DistInfo, all_gather_floats
 

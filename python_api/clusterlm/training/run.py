@@ -124,20 +124,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from clusterlm.config.baselines import is_baseline_spec
+from clusterlm.config.defaults import LATEST
 from clusterlm.config.training import TRAIN_CONFIG, TrainConfig
-from clusterlm.engine.fsdp import CPU_ALLOCATOR_ENV
-from clusterlm.engine.step import LATEST, find_checkpoint
 from clusterlm.launch.failures import removed_if_empty
 from clusterlm.launch.hangs import remove_progress
 from clusterlm.launch.launcher import SpawnFailed, checked_by_launcher, spawn_with_config, under_torchrun
 from clusterlm.launch.preemption import PREEMPTED_EXIT, SHUTDOWN_MARGIN_S, Preempted, read_preempted
 from clusterlm.plan import Plan
-from clusterlm.selection.baselines import baseline_plan, is_baseline_spec
 from clusterlm.training.checks import check_inputs, check_unlocked, plan_world_size, world_size_error
-from clusterlm.training.loop import train_rank
 from clusterlm.training.metrics import CURVE, METRICS, SUMMARY
+
+# The trainer (torch, the engine, the models) is imported by the process that trains: the one that only launches
+# ranks (`clusterlm train --nproc N`) checks the inputs, writes the config and waits, without it.
 
 __all__ = ["SpawnFailed", "TrainResult", "train"]
 
@@ -239,17 +238,26 @@ def train(config: TrainConfig | Mapping[str, Any], plan: Plan | None = None) -> 
 
 
 def _train(config: TrainConfig) -> TrainResult:
-    build_plan = baseline_plan if is_baseline_spec(config.plan) else None
     nproc, nnodes = config.nproc or 1, config.nnodes
     if under_torchrun() or (nproc == 1 and nnodes == 1 and not config.max_restarts):
+        from clusterlm.selection.baselines import baseline_plan
+        from clusterlm.training.loop import train_rank
+
+        build_plan = baseline_plan if is_baseline_spec(config.plan) else None
         return TrainResult.read(config.out, train_rank(config, build_plan=build_plan))
     if nnodes == 1:  # (the other nodes of a run find the lock taken by its rank 0)
         check_unlocked(config.out)
-    plan_ws = None if build_plan is not None else plan_world_size(config.plan)
+    plan_ws = None if is_baseline_spec(config.plan) else plan_world_size(config.plan)
     if plan_ws is not None and plan_ws != nproc * nnodes:  # fail before starting processes
         raise world_size_error(plan_ws, nproc * nnodes, f"--nproc {nproc} x --nnodes {nnodes}")
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    env = dict(CPU_ALLOCATOR_ENV) if config.fsdp and on_cpu else None
+    env = None
+    if config.fsdp:
+        import torch
+
+        from clusterlm.engine.fsdp import CPU_ALLOCATOR_ENV
+
+        if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+            env = dict(CPU_ALLOCATOR_ENV)
     path = Path(config.out) / TRAIN_CONFIG
     sha = config.save(path)
     started = time.time()
@@ -272,6 +280,8 @@ def _train(config: TrainConfig) -> TrainResult:
 def _preempted_before_a_step(config: TrainConfig) -> Preempted:
     """A preemption that ended the ranks before they checkpointed a step (none recorded it: they were stopped before
     their first step, or the grace ran out)."""
+    from clusterlm.engine.step import find_checkpoint
+
     out = Path(config.out)
     found = find_checkpoint(out, LATEST)  # an earlier one
     where = f"the latest checkpoint is {found}" if found else "no checkpoint"

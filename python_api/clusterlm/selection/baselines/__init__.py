@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from clusterlm.config.baselines import BASELINE_SPECS, is_baseline_spec
 from clusterlm.plan import Plan
 from clusterlm.selection.baselines.ifd import ifd_plan
 from clusterlm.selection.baselines.less import LessConfig, less_plan
@@ -44,15 +45,8 @@ __all__ = [
     "is_baseline_spec", "less_plan", "longest_plan", "random_plan", "s2l_plan",
 ]
 
-# The --plan values that name a baseline instead of a plan directory.
-BASELINE_SPECS = ("full", "random:<ratio>", "random:<count>", "random:tokens=<ratio>", "random:tokens=<count>")
 # Baselines that need the model: spec "<name>:<ratio>" or "<name>:<count>", built with baseline_plan(..., model=).
 MODEL_BASELINES = {"s2l": s2l_plan, "ifd": ifd_plan, "less": less_plan}
-
-
-def is_baseline_spec(spec: str) -> bool:
-    """True when ``spec`` names a baseline (``full`` or ``random:...``) rather than a plan directory."""
-    return spec == "full" or spec.startswith("random:")
 
 
 def _ratio_or_count(spec: str, value: str) -> dict[str, Any]:
