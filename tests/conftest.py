@@ -75,10 +75,12 @@ LAST_MODULES = prebuild.MODULES
 
 
 def pytest_configure(config):
-    """Start the background compiles (tests/prebuild.py) in the controlling process, when the session selects a
-    module that needs them; the xdist workers inherit where to wait for them."""
+    """In the controlling process, before the workers start: write the bytecode of what the session's processes
+    import, once (tests/prebuild.py, a fresh machine only); start the background compiles when the session selects
+    a module that needs them (the xdist workers inherit where to wait for them)."""
     if hasattr(config, "workerinput") or os.environ.get(prebuild.LOCK_ENV):
         return
+    prebuild.warm_imports()
     if prebuild.selected(list(config.args), Path(str(config.rootpath))):
         config._prebuild = prebuild.start()
 

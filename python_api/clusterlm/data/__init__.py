@@ -56,7 +56,13 @@ data set objects to columns), :mod:`~clusterlm.data.formats` (format detection, 
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names for type checkers and the API reference (griffe); at run time: __getattr__ below
+    from clusterlm.data.dataset import IGNORE_INDEX, SFTDataset, collate, fingerprint, lengths_of
+    from clusterlm.data.formats import CHAT_TEMPLATE_MODES, FORMATS, RawData
+    from clusterlm.data.loading import DEFAULT_MAX_LENGTH, load_data, read_data
+    from clusterlm.data.sources import FILE_SUFFIXES, read_columns
 
 # Each name is imported from its module on first use (PEP 562), as the top-level package does: a process that only
 # checks files or reads a plan (the ``clusterlm train --nproc N`` launcher) does not import torch for them.
