@@ -61,6 +61,7 @@ from cluster_kernels._cuda_build import (  # noqa: E402 - the repository on the 
 # Shared memory a block may use (opt-in maximum): A100 163 KiB; H100/H200 and B200 227 KiB.
 SMEM_LIMIT = {80: 166_912, 90: 232_448, 100: 232_448}
 TRITON_TARGETS = (80, 90, 100)
+GATE_TARGETS = (80, 90)  # the test suite's compile gate (tests/cluster_kernels/test_aot_compile.py); the report: all
 CUDA_ARCHS = (80, 90)
 RESULT_PATH = REPO / "benchmarks" / "results" / "ptxas.json"
 
@@ -271,6 +272,11 @@ def run_jobs(jobs: list[dict[str, Any]], workers: int, timeout: float = 3000.0) 
     for i in range(len(jobs)):
         merged.append(results[i % workers][i // workers])
     return merged
+
+
+def gate_targets() -> list[int]:
+    """The compile gate's targets (:data:`GATE_TARGETS`) the installed Triton compiles for."""
+    return [cc for cc in GATE_TARGETS if triton_supports(cc)]
 
 
 def triton_supports(cc: int) -> bool:

@@ -69,24 +69,15 @@ LONGEST_MODULES = (
     "tests/clusterlm/test_fsdp_integrations.py",
     "tests/clusterlm/test_demo.py",
 )
-# ... and the modules whose compiles run in the background from the session's start (tests/prebuild.py) go last,
-# so that the background job has the whole session's idle cores before they wait for it.
-LAST_MODULES = prebuild.MODULES
 
 
 def pytest_configure(config):
-    """In the controlling process, before the workers start: write the bytecode of what the session's processes
-    import, once (tests/prebuild.py, a fresh machine only); start the background compiles when the session selects
-    a module that needs them (the xdist workers inherit where to wait for them)."""
-    if hasattr(config, "workerinput") or os.environ.get(prebuild.LOCK_ENV):
+    """In the controlling process, before the workers start: the compiles of the compile gate and the sanitizer
+    build, when the session selects them and a cache lacks them (tests/prebuild.py: on both cores, alone)."""
+    if hasattr(config, "workerinput"):
         return
-    prebuild.warm_imports()
     if prebuild.selected(list(config.args), Path(str(config.rootpath))):
-        config._prebuild = prebuild.start()
-
-
-def pytest_unconfigure(config):
-    prebuild.stop(getattr(config, "_prebuild", None))
+        prebuild.prebuild()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,8 +85,6 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item) -> int:
         rel = Path(str(item.path)).relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
-        if rel in LAST_MODULES:
-            return len(LONGEST_MODULES) + 1 + LAST_MODULES.index(rel)
         return LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
 
     items[:] = sorted(items, key=rank)  # stable: the order within a module and among the others stays

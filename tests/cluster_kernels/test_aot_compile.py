@@ -2,7 +2,8 @@
 
 Triton: both kernels, every GPU autotune config their prune hooks keep for the default featurization paths
 (lm-head 32 x 32 and the paper proxy; all-linear 16 x 16 and 64 x 64; the lm-head features' own 32 x 32
-reduction), float32 and bfloat16, for sm_80, sm_90 and sm_100 (when the installed Triton compiles for it).
+reduction), float32 and bfloat16, for sm_80 and sm_90 (``python benchmarks/ptxas_report.py`` adds sm_100 when the
+installed Triton compiles for it).
 CUDA: every ``csrc/cuda/*.cu`` for sm_80 and sm_90 (one nvcc call per file, host warnings on). Fails on a
 compile error, on a warning of the host compiler in our sources, on shared memory above a target's limit, on a
 key for which every config spills registers, and on a CUDA kernel of ours that spills (CUB / Thrust kernels the
@@ -10,9 +11,9 @@ files instantiate are reported, not held to it).
 
 The compiles run in worker processes (``benchmarks/ptxas_report.py``; ``CLUSTER_KERNELS_AOT_WORKERS``, default 2)
 and their reports are cached in ``~/.cache/cluster_kernels/aot`` under a key of the kernel source, signature,
-options, target and compiler versions: an unchanged kernel is not compiled again. In a session the same compiles
-start in the background at its beginning (tests/prebuild.py, at the lowest priority) and this module runs last and
-waits for them, so on a fresh machine they take the cores the other tests leave idle. ``python
+options, target and compiler versions: an unchanged kernel is not compiled again. A session makes the same compiles
+first, before its workers start, when the cache lacks them (tests/prebuild.py), so they never run beside other
+tests' ranks. ``python
 benchmarks/ptxas_report.py`` compiles the full set (every key, float16 too) into BENCHMARKS.md's table.
 """
 
@@ -24,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from prebuild import wait_for_prebuild
 
 from cluster_kernels._cuda_build import find_nvcc, parse_nvcc_ptxas
 
@@ -34,7 +34,7 @@ ptxas_report = importlib.util.module_from_spec(_spec)
 sys.modules["ptxas_report"] = ptxas_report
 _spec.loader.exec_module(ptxas_report)
 
-TARGETS = [cc for cc in ptxas_report.TRITON_TARGETS if ptxas_report.triton_supports(cc)]
+TARGETS = ptxas_report.gate_targets()
 needs_triton_nvidia = pytest.mark.skipif(
     not TARGETS, reason="needs Triton with its NVIDIA backend (pip install triton): it compiles without a GPU"
 )
@@ -42,7 +42,6 @@ needs_triton_nvidia = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def triton_rows() -> list[dict]:
-    wait_for_prebuild()  # the session's background compiles (tests/prebuild.py) fill the cache this reads
     jobs = ptxas_report.triton_jobs("gate", TARGETS)
     workers = int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2"))
     return ptxas_report.run_jobs(jobs, workers)
@@ -54,7 +53,6 @@ def cuda_compiles() -> dict[str, dict]:
     the build left in the compile cache (setup.py compiles for these architectures by default), or compiled here."""
     if find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
-    wait_for_prebuild()
     records = ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS,
                                          int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
     return {rec["file"]: rec for rec in records}

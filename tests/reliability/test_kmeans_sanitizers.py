@@ -1,8 +1,8 @@
 """The C++ K-means under AddressSanitizer and UBSan: memory errors and undefined behaviour cannot come back unnoticed.
 
 The extension's CPU sources are built once per session with ``-fsanitize=address,undefined`` (build_sanitized.py,
-cached under ``build/sanitize-<hash>``; ~35 s on 2 cores, started in the background when the session begins:
-tests/prebuild.py) and the case set of sanitizer_cases.py runs in one child
+cached under ``build/sanitize-<hash>``; ~35 s on 2 cores, made before the session's workers start
+when missing: tests/prebuild.py) and the case set of sanitizer_cases.py runs in one child
 process with libasan preloaded. Each case is one test here; a crash fails the case it happened in (and names the
 cases it kept from running). A canary checks that the harness really catches a heap overflow. Skipped where the
 compiler has no sanitizer runtime. Before the fix, four cases crashed (heap-buffer-overflow in count_objects and
@@ -20,7 +20,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import build_sanitized as bs  # noqa: E402 - the helper next to this file
 import sanitizer_cases  # noqa: E402
-from prebuild import wait_for_prebuild  # noqa: E402 - tests/prebuild.py: the build may run in the background
 
 WHY_NOT = bs.unsupported_reason()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no sanitizer build: {WHY_NOT}")
@@ -36,7 +35,6 @@ EXPORT int ck_canary_ub(int i) { return i + INT_MAX; }
 @pytest.fixture(scope="module")
 def sanitized(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The sanitized extension, and the outcome of every case run under it in one child process."""
-    wait_for_prebuild()
     so, build_s = bs.build()
     proc = bs.run_cases(so)
     out = proc.stdout + proc.stderr
