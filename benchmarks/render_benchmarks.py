@@ -18,7 +18,8 @@ output depends only on their contents, so rendering twice gives identical bytes.
 ``BENCHMARKS.md`` opens with a summary table: one row per result file with its headline (a target's measured
 value, :data:`HEADLINE_TARGET`, by default the first; the last note where a file has no target), that target's
 goal, whether it was met, how many of the file's targets were met, and the date. Result files listed in
-:data:`DETAIL_FILES` (the compiler's register and spill tables of ``ptxas_report.py``: hundreds of rows) are
+:data:`DETAIL_FILES` (the compiler's register and spill tables of ``ptxas_report.py``, hundreds of rows; the K-means
+scaling grid) are
 rendered in full into their own markdown file next to the JSON (``benchmarks/results/ptxas.md``), and
 ``BENCHMARKS.md`` gets a one-paragraph summary of them. For the other results, ``Setup`` tables and tables over
 :data:`MAX_ROWS` rows are rendered into ``benchmarks/results/<stem>.md`` (with every other table of that result)
@@ -37,8 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 OUT_PATH = REPO / "BENCHMARKS.md"
 
-# Result files rendered into a file of their own (the full tables), with a summary paragraph in BENCHMARKS.md.
-DETAIL_FILES = ("ptxas.json",)
+# Result files rendered into a file of their own (the full tables), with a summary paragraph in BENCHMARKS.md: the
+# compiler's tables (hundreds of rows) and the K-means scaling grid (a table per size, capacity and thread count).
+DETAIL_FILES = ("ptxas.json", "kmeans.json")
 # Other results keep their main tables in BENCHMARKS.md; their setup tables and tables longer than this many rows
 # are in the result's own file (every table of it, benchmarks/results/<stem>.md), linked from its section.
 MAX_ROWS = 10
