@@ -628,7 +628,7 @@ LAYERS = (  # top to bottom
     ("clusterlm.data",),
     ("clusterlm.launch",),
     ("clusterlm.config",),
-    ("clusterlm.fileio",),
+    ("clusterlm.fileio", "clusterlm.lazy"),
     ("cluster_kernels",),
 )
 FACADE = "clusterlm"  # the package __init__: public names loaded lazily, by name, from any layer

@@ -16,10 +16,11 @@ subpackage on first use (docs/architecture.md lists the subpackages and their jo
 read and checked without them.
 """
 
-import importlib
 import sys
 import types
 from typing import Any
+
+from clusterlm.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -56,16 +57,7 @@ __all__ = sorted(_PUBLIC)
 _FUNCTIONS = ("select", "train", "compare")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'clusterlm' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)
 
 
 class _Package(types.ModuleType):

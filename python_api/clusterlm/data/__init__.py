@@ -55,49 +55,26 @@ data set objects to columns), :mod:`~clusterlm.data.formats` (format detection, 
 ``fingerprint``, ``collate``).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the names for type checkers and the API reference (griffe); at run time: __getattr__ below
-    from clusterlm.data.dataset import IGNORE_INDEX, SFTDataset, collate, fingerprint, lengths_of
-    from clusterlm.data.formats import CHAT_TEMPLATE_MODES, FORMATS, RawData
-    from clusterlm.data.loading import DEFAULT_MAX_LENGTH, load_data, read_data
-    from clusterlm.data.sources import FILE_SUFFIXES, read_columns
+from clusterlm.lazy import lazy_exports
 
-# Each name is imported from its module on first use (PEP 562), as the top-level package does: a process that only
-# checks files or reads a plan (the ``clusterlm train --nproc N`` launcher) does not import torch for them.
+if TYPE_CHECKING:  # the names for type checkers and the API reference (griffe); at run time: lazy_exports below
+    from clusterlm.data.dataset import IGNORE_INDEX, SFTDataset, collate, fingerprint, lengths_of  # noqa: F401
+    from clusterlm.data.formats import CHAT_TEMPLATE_MODES, FORMATS, RawData  # noqa: F401
+    from clusterlm.data.loading import DEFAULT_MAX_LENGTH, load_data, read_data  # noqa: F401
+    from clusterlm.data.sources import FILE_SUFFIXES, read_columns  # noqa: F401
+
+# Each name is imported from its module on first use, as the top-level package's are: a process that only checks
+# files or reads a plan (the ``clusterlm train --nproc N`` launcher) does not import torch for them.
 _EXPORTS = {
-    "IGNORE_INDEX": "dataset", "SFTDataset": "dataset", "collate": "dataset", "fingerprint": "dataset",
-    "lengths_of": "dataset", "CHAT_TEMPLATE_MODES": "formats", "FORMATS": "formats", "RawData": "formats",
-    "DEFAULT_MAX_LENGTH": "loading", "load_data": "loading", "read_data": "loading", "FILE_SUFFIXES": "sources",
-    "read_columns": "sources",
+    "IGNORE_INDEX": "clusterlm.data.dataset", "SFTDataset": "clusterlm.data.dataset",
+    "collate": "clusterlm.data.dataset", "fingerprint": "clusterlm.data.dataset",
+    "lengths_of": "clusterlm.data.dataset", "CHAT_TEMPLATE_MODES": "clusterlm.data.formats",
+    "FORMATS": "clusterlm.data.formats", "RawData": "clusterlm.data.formats",
+    "DEFAULT_MAX_LENGTH": "clusterlm.data.loading", "load_data": "clusterlm.data.loading",
+    "read_data": "clusterlm.data.loading", "FILE_SUFFIXES": "clusterlm.data.sources",
+    "read_columns": "clusterlm.data.sources",
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"clusterlm.data.{_EXPORTS[name]}"), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'clusterlm.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
-
-__all__ = [
-    "DEFAULT_MAX_LENGTH",
-    "CHAT_TEMPLATE_MODES",
-    "FILE_SUFFIXES",
-    "FORMATS",
-    "IGNORE_INDEX",
-    "RawData",
-    "SFTDataset",
-    "collate",
-    "fingerprint",
-    "lengths_of",
-    "load_data",
-    "read_columns",
-    "read_data",
-]
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
