@@ -13,8 +13,8 @@ The compiles run in worker processes (``benchmarks/ptxas_report.py``; ``CLUSTER_
 and their reports are cached in ``~/.cache/cluster_kernels/aot`` under a key of the kernel source, signature,
 options, target and compiler versions: an unchanged kernel is not compiled again. A session makes the same compiles
 first, before its workers start, when the cache lacks them (tests/prebuild.py), so they never run beside other
-tests' ranks. ``python
-benchmarks/ptxas_report.py`` compiles the full set (every key, float16 too) into BENCHMARKS.md's table.
+tests' ranks. ``python benchmarks/ptxas_report.py`` compiles the full set (every key, float16 too) into
+BENCHMARKS.md's table.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The C++ K-means under AddressSanitizer and UBSan: memory errors and undefined behaviour cannot come back unnoticed.
 
-The extension's CPU sources are built once per session with ``-fsanitize=address,undefined`` (build_sanitized.py,
-cached under ``build/sanitize-<hash>``; ~35 s on 2 cores, made before the session's workers start
-when missing: tests/prebuild.py) and the case set of sanitizer_cases.py runs in one child
-process with libasan preloaded. Each case is one test here; a crash fails the case it happened in (and names the
-cases it kept from running). A canary checks that the harness really catches a heap overflow. Skipped where the
-compiler has no sanitizer runtime. Before the fix, four cases crashed (heap-buffer-overflow in count_objects and
-kmeans_plusplus, a null reference in the restart selection) and one accepted non-finite costs.
+The extension's CPU sources are built once with ``-fsanitize=address,undefined`` (build_sanitized.py, cached under
+``build/sanitize-<hash>``; ~35 s on 2 cores, made before the session's workers start when missing: tests/prebuild.py)
+and the case set of sanitizer_cases.py runs in one child process with libasan preloaded. Each case is one test
+here; a crash fails the case it happened in (and names the cases it kept from running). A canary checks that the
+harness really catches a heap overflow. Skipped where the compiler has no sanitizer runtime. Before the fix, four
+cases crashed (heap-buffer-overflow in count_objects and kmeans_plusplus, a null reference in the restart selection)
+and one accepted non-finite costs.
 """
 
 from __future__ import annotations
