@@ -275,8 +275,9 @@ def stage_section(heading: str, records: list[dict[str, Any]], methods: list[str
                      f"{tp['loss']:.4f}" if tp.get("loss") is not None else "–",
                      _vs(records, m, "random", "thirdparty"), s["seeds"]])
     best = min(summary, key=lambda m: summary[m]["eval_loss"])
-    notes = [f"lowest held-out loss at equal tokens: {best} ({summary[best]['eval_loss']:.4f}); vs longest "
-             f"{_vs(records, best, 'longest', None)}"] + verdicts(summary)
+    vs_longest = "" if best == "longest" else f"; vs longest {_vs(records, best, 'longest', None)}"
+    notes = [f"lowest held-out loss at equal tokens: {best} ({summary[best]['eval_loss']:.4f}){vs_longest}"]
+    notes += verdicts(summary)
     return {"heading": heading, "columns": ["method", "selected tokens", "tokens trained", "selection s",
                                             "held-out loss", "vs random [95 % CI]", "vs longest [95 % CI]",
                                             "third-party loss", "third-party vs random [95 % CI]", "seeds"],
@@ -312,23 +313,37 @@ def selection_alone(args: argparse.Namespace, train: Path, reps: int = 3) -> dic
     return {"features_s": float(np.median(seconds)), "all": seconds, "threads": args.world_size * args.threads}
 
 
-def regression_section(records: list[dict[str, Any]], alone: dict[str, Any] | None) -> tuple[dict, list[dict]]:
-    """The cluster selection's feature seconds inside compare (the units that computed their features) against the
-    same selection alone; its target: within 1.25x."""
-    inside = [r["timings"]["features"] for r in records
-              if r["method"] in ("cluster", *PICKS) and not r.get("features_reused") and "features" in r["timings"]]
+def selection_in_compare(args: argparse.Namespace, files: tuple[Path, Path, Path], reps: int = 3) -> dict[str, Any]:
+    """The same cluster selection's feature seconds inside ``compare``, measured in this run right before
+    :func:`selection_alone` (the machine's speed drifts between runs: only side-by-side seconds compare): compare
+    with the cluster method alone, ``reps`` seeds (features computed per seed), one training step per unit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        quick = argparse.Namespace(**{**vars(args), "max_steps": 1, "eval_max_examples": 8})
+        run_compare(quick, Path(tmp), files, ["cluster"], reps, real=False)
+        seconds = [r["timings"]["features"] for r in finished(Path(tmp)) if not r.get("features_reused")]
+    return {"features_s": float(np.median(seconds)), "all": seconds}
+
+
+def regression_section(records: list[dict[str, Any]], alone: dict[str, Any] | None,
+                       inside: dict[str, Any] | None) -> tuple[dict, list[dict]]:
+    """The cluster selection's feature seconds inside compare against the same selection alone, side by side in
+    this run (and, for reference, in the study's units); its target: within 1.25x."""
+    units = [r["timings"]["features"] for r in records
+             if r["method"] in ("cluster", *PICKS) and not r.get("features_reused") and "features" in r["timings"]]
     ifd = [r["selection_s"] for r in records if r["method"] == "ifd"]
-    rows = [["cluster features inside compare (units that computed them)",
-             f"{np.median(inside):.2f} s (median of {len(inside)})" if inside else "–"],
+    rows = [["cluster features inside compare (measured beside the next row)",
+             f"{inside['features_s']:.2f} s (median of {len(inside['all'])})" if inside else "–"],
             ["the same select() alone, same model, data and threads",
              f"{alone['features_s']:.2f} s (median of {len(alone['all'])}, {alone['threads']} threads)" if alone
              else "–"],
+            ["cluster features in the study's units (other days, other load: for reference)",
+             f"{np.median(units):.2f} s (median of {len(units)})" if units else "–"],
             ["IFD's selection inside compare (for scale)", f"{np.median(ifd):.2f} s" if ifd else "–"]]
     targets = []
     if inside and alone:
-        ratio = float(np.median(inside)) / alone["features_s"]
+        ratio = inside["features_s"] / alone["features_s"]
         targets.append({"goal": "the cluster selection inside compare within 1.25x the same selection alone",
-                        "measured": f"{np.median(inside):.2f} s vs {alone['features_s']:.2f} s = {ratio:.2f}x",
+                        "measured": f"{inside['features_s']:.2f} s vs {alone['features_s']:.2f} s = {ratio:.2f}x",
                         "met": ratio <= 1.25})
     return {"heading": "Selection time inside compare vs alone", "columns": ["what", "feature seconds"],
             "rows": rows, "notes": ["compare waits for the previous unit's training processes (the launch's fork "
@@ -351,7 +366,8 @@ def quality_target(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_result(args: argparse.Namespace, argv: list[str] | None, info: dict[str, Any], demo: list[dict[str, Any]],
-                 real: list[dict[str, Any]], alone: dict[str, Any] | None, t_start: float) -> dict[str, Any]:
+                 real: list[dict[str, Any]], alone: dict[str, Any] | None, inside: dict[str, Any] | None,
+                 t_start: float) -> dict[str, Any]:
     """Write ``--out`` from the units done so far (after each stage: a cut run still reports)."""
     demo_info, real_info = info.get("demo", {}), info.get("real", {})
     setup = [["budget", f"--budget tokens at ratio {args.ratio}: every method selects that share of the training "
@@ -379,7 +395,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, info: dict[st
                        list(dict.fromkeys(r["method"] for r in real)))
     if s2:
         sections.append(s2)
-    reg, reg_targets = regression_section(demo, alone)
+    reg, reg_targets = regression_section(demo, alone, inside)
     sections.append(reg)
     out = {"title": "Within-cluster picks at equal tokens: gradient norm, loss and their combinations with the "
                     "distance (quality study)",
@@ -389,8 +405,8 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, info: dict[st
            "command": shlex.join(["python", "benchmarks/bench_quality.py",
                                   *(argv if argv is not None else sys.argv[1:])]),
            "sections": sections, "targets": quality_target(demo) + reg_targets,
-           "raw": {"config": vars(args), "data": info, "alone": alone, "demo_records": demo, "real_records": real,
-                   "total_wall_s": time.perf_counter() - t_start}}
+           "raw": {"config": vars(args), "data": info, "alone": alone, "inside": inside, "demo_records": demo,
+                   "real_records": real, "total_wall_s": time.perf_counter() - t_start}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return out
@@ -407,20 +423,23 @@ def main(argv: list[str] | None = None) -> int:
     info: dict[str, Any] = {}
     demo_paths = demo_files(args, work / "demo")
     info["demo"] = demo_paths[3]
-    alone = None
+    alone = inside = None
+    if args.report_only and finished(work / "real"):  # the real stage's subsets, as its run described them
+        info["real"] = real_files(args, work / "real")[3]
     if not args.report_only and args.stage in ("all", "demo"):
         run_compare(args, work / "demo", demo_paths[:3], list(DEMO_METHODS), args.seeds, real=False)
     demo = finished(work / "demo")
     if demo and (not args.report_only or args.stage != "real"):
+        inside = selection_in_compare(args, demo_paths[:3])
         alone = selection_alone(args, demo_paths[0])
-    write_result(args, argv, info, demo, finished(work / "real"), alone, t_start)
+    write_result(args, argv, info, demo, finished(work / "real"), alone, inside, t_start)
     if not args.report_only and args.stage in ("all", "real"):
         methods = [m for m in args.real_methods.split(",") if m] or ["random", "longest", "cluster", *[
             m for m in best_picks(demo, args.real_picks + 1) if m != "cluster"][: args.real_picks]]
         real_paths = real_files(args, work / "real")
         info["real"] = real_paths[3]
         run_compare(args, work / "real", real_paths[:3], methods, args.real_seeds, real=True)
-    out = write_result(args, argv, info, demo, finished(work / "real"), alone, t_start)
+    out = write_result(args, argv, info, demo, finished(work / "real"), alone, inside, t_start)
     for section in out["sections"][1:]:
         print(f"\n{section['heading']}")
         for row in section["rows"]:
