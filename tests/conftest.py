@@ -52,13 +52,15 @@ if os.environ.get("CI"):
 # `make test` runs the modules on two pytest-xdist workers (--dist loadfile), each module whole on one worker, in
 # collection order. The longest modules go first, so that the two workers finish together rather than one running
 # a long module alone at the end (measured with --durations; the order changes no result, only the wall time).
+# pytest-xdist hands the first module to the first worker and the second to the other: the first builds the demo
+# data and tiny-llama (the session's `demo`, ~20 s), so the second must not need them, or that worker would wait.
 LONGEST_MODULES = (
     "tests/test_docs.py",
+    "tests/cluster_kernels/test_kmeans.py",  # needs no demo: runs while the first worker builds it
     "tests/reliability/test_signals.py",
-    "tests/reliability/test_faults.py",  # after test_signals: the reference run they share is made once, not waited on
+    "tests/reliability/test_faults.py",  # beside test_signals: the reference run they share is made once (a lock)
     "tests/clusterlm/test_fsdp.py",
     "tests/clusterlm/test_train.py",
-    "tests/cluster_kernels/test_kmeans.py",
     "tests/clusterlm/test_launch_parity.py",
     "tests/clusterlm/test_compare.py",
     "tests/reliability/test_processes.py",
