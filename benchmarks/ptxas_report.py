@@ -279,6 +279,23 @@ def gate_targets() -> list[int]:
     return [cc for cc in GATE_TARGETS if triton_supports(cc)]
 
 
+def aot_workers() -> int:
+    """How many compile worker processes (``CLUSTER_KERNELS_AOT_WORKERS``, default 2)."""
+    return int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2"))
+
+
+def gate_triton_rows() -> list[dict[str, Any]]:
+    """The compile gate's Triton compiles (every gate config for :func:`gate_targets`; [] without them), from the
+    cache where it has them: what tests/cluster_kernels/test_aot_compile.py checks and tests/prebuild.py makes."""
+    targets = gate_targets()
+    return run_jobs(triton_jobs("gate", targets), aot_workers()) if targets else []
+
+
+def gate_cuda_records() -> list[dict[str, Any]]:
+    """The compile gate's nvcc compiles (every ``csrc/cuda/*.cu`` for :data:`CUDA_ARCHS`), as :func:`cuda_compiles`."""
+    return cuda_compiles(CUDA_ARCHS, aot_workers())
+
+
 def triton_supports(cc: int) -> bool:
     """True when the installed Triton has an NVIDIA backend that compiles for ``sm_<cc>``."""
     try:
@@ -444,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=("gate", "full"), default="full")
-    ap.add_argument("--workers", type=int, default=int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
+    ap.add_argument("--workers", type=int, default=aot_workers())
     ap.add_argument("--json", type=Path, help="write the raw rows here instead of benchmarks/results/ptxas.json")
     ap.add_argument("--no-cuda", action="store_true", help="skip the nvcc part")
     args = ap.parse_args(argv)

@@ -93,12 +93,9 @@ def main() -> int:
     try:
         import ptxas_report
 
-        workers = int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2"))
-        targets = ptxas_report.gate_targets()
-        if targets:
-            ptxas_report.run_jobs(ptxas_report.triton_jobs("gate", targets), workers)
+        ptxas_report.gate_triton_rows()
         if ptxas_report.find_nvcc() is not None:
-            ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS, workers)
+            ptxas_report.gate_cuda_records()
     except Exception:  # noqa: BLE001 - as above: the gate compiles what is missing and fails there
         status = 1
     return status

@@ -20,7 +20,6 @@ BENCHMARKS.md's table.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -42,9 +41,7 @@ needs_triton_nvidia = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def triton_rows() -> list[dict]:
-    jobs = ptxas_report.triton_jobs("gate", TARGETS)
-    workers = int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2"))
-    return ptxas_report.run_jobs(jobs, workers)
+    return ptxas_report.gate_triton_rows()
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +50,7 @@ def cuda_compiles() -> dict[str, dict]:
     the build left in the compile cache (setup.py compiles for these architectures by default), or compiled here."""
     if find_nvcc() is None:
         pytest.skip("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda or PATH): no CUDA toolkit")
-    records = ptxas_report.cuda_compiles(ptxas_report.CUDA_ARCHS,
-                                         int(os.environ.get("CLUSTER_KERNELS_AOT_WORKERS", "2")))
-    return {rec["file"]: rec for rec in records}
+    return {rec["file"]: rec for rec in ptxas_report.gate_cuda_records()}
 
 
 @pytest.fixture(scope="module")

@@ -67,14 +67,11 @@ if TYPE_CHECKING:  # the names for type checkers and the API reference (griffe);
 
 # Each name is imported from its module on first use, as the top-level package's are: a process that only checks
 # files or reads a plan (the ``clusterlm train --nproc N`` launcher) does not import torch for them.
-_EXPORTS = {
-    "IGNORE_INDEX": "clusterlm.data.dataset", "SFTDataset": "clusterlm.data.dataset",
-    "collate": "clusterlm.data.dataset", "fingerprint": "clusterlm.data.dataset",
-    "lengths_of": "clusterlm.data.dataset", "CHAT_TEMPLATE_MODES": "clusterlm.data.formats",
-    "FORMATS": "clusterlm.data.formats", "RawData": "clusterlm.data.formats",
-    "DEFAULT_MAX_LENGTH": "clusterlm.data.loading", "load_data": "clusterlm.data.loading",
-    "read_data": "clusterlm.data.loading", "FILE_SUFFIXES": "clusterlm.data.sources",
-    "read_columns": "clusterlm.data.sources",
-}
+_EXPORTS = {name: f"clusterlm.data.{module}" for module, names in {
+    "dataset": ("IGNORE_INDEX", "SFTDataset", "collate", "fingerprint", "lengths_of"),
+    "formats": ("CHAT_TEMPLATE_MODES", "FORMATS", "RawData"),
+    "loading": ("DEFAULT_MAX_LENGTH", "load_data", "read_data"),
+    "sources": ("FILE_SUFFIXES", "read_columns"),
+}.items() for name in names}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
